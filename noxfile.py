@@ -1,0 +1,135 @@
+"""The one task runner of the swap monorepo.
+
+``nox`` runs lint, typecheck, tests (one session per package), integration and docs.
+``nox -s demo`` runs the quickstart example; ``nox -l`` lists every session.
+Arguments after ``--`` reach the tool, e.g. ``nox -s "tests(package='swap-core')" -- --backend cuda``.
+
+torch is pinned in exactly one place (``TORCH`` below) and installed with pip before
+anything else in every session that needs it: an unpinned torch, or a range that admits a
+newer release, pulls a CUDA build of several GB. Override it with ``SWAP_TORCH_SPEC``
+(e.g. ``SWAP_TORCH_SPEC="torch==2.13.0" nox``, or a spec plus index options for an
+accelerator build).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+INTEGRATION_DIR = ROOT / "integration-tests"
+
+TORCH = os.environ.get("SWAP_TORCH_SPEC", "torch==2.13.0")
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
+
+CORE_PACKAGE = "swap-core"
+LINT_TARGETS = ("packages", "integration-tests", "examples", "noxfile.py", "conftest.py")
+
+nox.needs_version = ">=2024.3.2"  # nox.options.reuse_venv, CommandFailed.return_code
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "docs"]
+nox.options.reuse_venv = "yes"  # local speed; CI runs a clean clone, so its sessions start fresh
+
+
+def discover_packages() -> list[str]:
+    """Package directories under packages/ (each holds a pyproject.toml), swap-core first.
+
+    A package's distribution name is its directory name (``packages/swap-adam`` ->
+    ``swap-adam``); the rest follow in alphabetical order, which is also their install order.
+    """
+    names = sorted(path.parent.name for path in PACKAGES_DIR.glob("*/pyproject.toml"))
+    if CORE_PACKAGE in names:
+        names.remove(CORE_PACKAGE)
+        names.insert(0, CORE_PACKAGE)
+    return names
+
+
+PACKAGES = discover_packages()
+
+
+def install_torch(session: nox.Session) -> None:
+    """Install the pinned torch before anything whose dependencies could pull another one."""
+    session.install(*shlex.split(TORCH))
+
+
+def install_workspace(session: nox.Session, *tools: str) -> None:
+    """Install torch, every package of the monorepo in editable mode (swap-core first), and ``tools``."""
+    install_torch(session)
+    editables: list[str] = []
+    for name in PACKAGES:
+        editables += ["-e", f"packages/{name}"]
+    session.install(*editables)
+    # numpy: not a torch dependency, but torch warns on import without it.
+    session.install("numpy", *tools)
+
+
+def existing(paths: tuple[str, ...]) -> list[str]:
+    return [path for path in paths if (ROOT / path).exists()]
+
+
+def has_test_modules(directory: Path) -> bool:
+    return any(directory.rglob("test_*.py")) or any(directory.rglob("*_test.py"))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over all Python code (no torch needed)."""
+    session.install(RUFF)
+    targets = existing(LINT_TARGETS)
+    session.run("ruff", "check", *targets, *session.posargs)
+    session.run("ruff", "format", "--check", "--diff", *targets)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the src/ tree of every package."""
+    install_workspace(session, MYPY, *TEST_TOOLS)
+    for name in PACKAGES:
+        session.run("mypy", "--strict", f"packages/{name}/src", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's test suite; extra arguments go to pytest (e.g. ``-- --backend cuda -k parity``)."""
+    install_workspace(session, *TEST_TOOLS)
+    session.run("pytest", f"packages/{package}/tests", *session.posargs)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Cross-package tests in integration-tests/ (never published)."""
+    if not INTEGRATION_DIR.is_dir() or not has_test_modules(INTEGRATION_DIR):
+        # pytest exits 5 ("no tests collected") on a directory without test modules;
+        # that is the expected state until the first cross-package test lands.
+        session.log("integration-tests/ holds no test modules yet: nothing to run, not running pytest.")
+        return
+    install_workspace(session, *TEST_TOOLS)
+    try:
+        session.run("pytest", "integration-tests", *session.posargs)
+    except nox.command.CommandFailed as failure:
+        if getattr(failure, "return_code", None) != 5:
+            raise
+        # Exit 5 with test modules present means the arguments deselected every test.
+        session.log(f"pytest collected no integration tests with arguments {session.posargs!r}; nothing ran.")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the mkdocs site with --strict (broken links and pages missing from nav fail)."""
+    session.install(*DOCS_TOOLS)
+    site_dir = Path(session.create_tmp()) / "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site_dir), env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Train a small model with swapped optimizer states; arguments go to examples/quickstart.py."""
+    install_workspace(session)
+    session.run("python", "examples/quickstart.py", *session.posargs)

@@ -1,0 +1,86 @@
+"""The adapter contract: what an optimizer family tells the swap runtime.
+
+An adapter is policy: which state keys may move, how a fresh state looks, and
+how one batch of parameters is updated with states that already sit on the
+device. The runtime (mechanism) decides where every state lives and when it
+moves; the adapter never sees a host tensor or a stream.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "ADAPTER_API_VERSION",
+    "AdapterFactory",
+    "StateInit",
+    "StateSwapAdapter",
+    "UpdateBatch",
+]
+
+ADAPTER_API_VERSION = 1
+"""Bumped whenever :class:`StateSwapAdapter` changes incompatibly."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StateInit:
+    """A state tensor to create filled with ``fill``, materialized where the runtime keeps it.
+
+    Returning this instead of a tensor lets a swapped state be born in host
+    memory, so the first step needs no more device memory than later ones.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: float = 0.0
+
+    @classmethod
+    def zeros_like(cls, tensor: torch.Tensor) -> StateInit:
+        """Zeros with the shape and dtype of ``tensor`` (the usual optimizer moment)."""
+        return cls(tuple(tensor.shape), tensor.dtype, 0.0)
+
+
+@dataclasses.dataclass
+class UpdateBatch:
+    """The parameters of one param group inside one pipeline batch.
+
+    ``states[i]`` is the state dict of ``params[i]`` in which every swapped
+    tensor has been replaced by its device copy for the duration of the update.
+    Only parameters with a gradient are included, in param-group order.
+    """
+
+    group: dict[str, Any]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    states: list[dict[str, Any]]
+    batch_index: int
+
+
+class StateSwapAdapter(abc.ABC):
+    """Family policy for one wrapped optimizer instance."""
+
+    swappable_keys: ClassVar[tuple[str, ...]] = ()
+    """State keys this family can swap (e.g. ``("exp_avg", "exp_avg_sq")``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @abc.abstractmethod
+    def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
+        """The state a fresh parameter starts with, exactly as the wrapped optimizer would create it."""
+
+    @abc.abstractmethod
+    def update(self, batch: UpdateBatch) -> None:
+        """Update ``batch.params`` in place with the wrapped optimizer's own math."""
+
+    def partition_costs(self, params: Sequence[torch.Tensor]) -> Sequence[int] | None:
+        """Rank-independent cost per parameter for batching, or ``None`` to balance by swapped bytes."""
+        return None
+
+
+AdapterFactory = Callable[[torch.optim.Optimizer], StateSwapAdapter]

@@ -1,0 +1,60 @@
+"""Turn ``SwapConfig.backend`` into a device backend for a set of parameters.
+
+This is policy, so it lives above ``backends/``: nothing below imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .backends.protocol import DeviceBackend
+from .config import BackendSpec
+
+__all__ = ["select_backend"]
+
+
+def select_backend(spec: BackendSpec, params: Iterable[torch.Tensor]) -> DeviceBackend | None:
+    """The backend that swaps states of ``params``, or ``None`` when nothing should be swapped.
+
+    ``"auto"`` follows the parameters: an accelerator device gets that
+    accelerator's backend; CPU parameters get no swapping at all (the wrapped
+    optimizer runs unchanged, with the same results).
+    """
+    devices = _devices(params)
+    if len(devices) > 1:
+        raise ValueError(
+            f"Parameters live on several devices {sorted(map(str, devices))}; swap one optimizer per device"
+        )
+    device = next(iter(devices), torch.device("cpu"))
+    if not isinstance(spec, str):
+        if not spec.owns(torch.empty(0, device=device)):
+            raise ValueError(f"Backend {spec.name!r} does not own parameters on {device}")
+        return spec
+    if spec == "auto":
+        return None if device.type == "cpu" else _accelerator(device.type, device.index)
+    if spec == "sim":
+        if device.type != "cpu":
+            raise ValueError(f"backend='sim' simulates an accelerator over CPU memory; parameters are on {device}")
+        from .backends.sim import SimBackend
+
+        return SimBackend()
+    if device.type != spec:
+        raise ValueError(f"backend={spec!r} but the parameters are on {device}; move the model there first")
+    return _accelerator(spec, device.index)
+
+
+def _accelerator(device_type: str, index: int | None) -> DeviceBackend:
+    from .backends.accelerator import AcceleratorBackend
+
+    return AcceleratorBackend(device_type, index)
+
+
+def _devices(params: Iterable[torch.Tensor]) -> set[torch.device]:
+    devices = set()
+    for param in params:
+        device = param.device
+        # DTensor parameters report the mesh's device; their local shards live there too.
+        devices.add(torch.device(device.type, device.index) if device.type != "cpu" else torch.device("cpu"))
+    return devices

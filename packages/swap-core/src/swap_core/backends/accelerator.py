@@ -1,0 +1,244 @@
+"""The real-device backend: npu, cuda and xpu through ``torch.get_device_module``.
+
+Every accelerator torch knows exposes the same module surface (``Stream``,
+``Event``, ``current_stream``, ``stream``, ``synchronize``, memory statistics),
+so one class serves them all and library code never names ``torch.cuda`` or
+``torch.npu``. The backend is deliberately thin: ordering is the caller's job,
+expressed through events, exactly as the :mod:`~swap_core.backends.protocol`
+describes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+import torch
+
+from swap_core.backends.protocol import Event, Stream
+from swap_core.errors import PinnedMemoryWarning
+
+__all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend"]
+
+SUPPORTED_DEVICE_TYPES: tuple[str, ...] = ("cuda", "npu", "xpu")
+"""Device types :class:`AcceleratorBackend` drives."""
+
+_DEVICE_EXTENSIONS: dict[str, str] = {"npu": "torch_npu"}
+"""Out-of-tree device types and the extension module that registers them with torch."""
+
+_INSTALL_HINTS: dict[str, str] = {
+    "npu": "torch_npu must be installed for the npu device (pip install swap-core[npu]) and an Ascend NPU visible",
+    "cuda": "a CUDA build of torch and a visible CUDA device are required",
+    "xpu": "an XPU build of torch and a visible Intel GPU are required",
+}
+
+
+class _DeviceStream(Protocol):
+    def wait_event(self, event: _DeviceEvent) -> None: ...
+
+
+class _DeviceEvent(Protocol):
+    def record(self, stream: _DeviceStream | None = None) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class _DeviceModule(Protocol):
+    """The part of ``torch.cuda`` / ``torch.npu`` / ``torch.xpu`` this backend uses."""
+
+    def is_available(self) -> bool: ...
+
+    def device_count(self) -> int: ...
+
+    def current_device(self) -> int: ...
+
+    def Stream(self, device: torch.device) -> _DeviceStream: ...
+
+    def Event(self) -> _DeviceEvent: ...
+
+    def current_stream(self, device: torch.device) -> _DeviceStream: ...
+
+    def stream(self, stream: _DeviceStream) -> contextlib.AbstractContextManager[object]: ...
+
+    def synchronize(self, device: torch.device) -> None: ...
+
+    def memory_allocated(self, device: torch.device) -> int: ...
+
+    def max_memory_allocated(self, device: torch.device) -> int: ...
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None: ...
+
+
+class AcceleratorBackend:
+    """Streams, events, copies and memory of one real accelerator device.
+
+    ``device_index=None`` means the device current at construction.
+    """
+
+    def __init__(self, device_type: str, device_index: int | None = None) -> None:
+        self._setup(device_type, _load_device_module(device_type), device_index)
+
+    @classmethod
+    def _from_module(
+        cls, device_type: str, module: _DeviceModule, device_index: int | None = None
+    ) -> AcceleratorBackend:
+        """A backend over an explicit device module, skipping the availability check (tests fake one)."""
+        backend = cls.__new__(cls)
+        backend._setup(device_type, module, device_index)
+        return backend
+
+    def _setup(self, device_type: str, module: _DeviceModule, device_index: int | None) -> None:
+        index = module.current_device() if device_index is None else device_index
+        count = module.device_count()
+        if type(index) is not int or not 0 <= index < count:  # bool is an int subclass: rejected too
+            raise ValueError(f"Invalid {device_type} device index {device_index!r}: {count} device(s) are visible")
+        self._module = module
+        self._device = torch.device(device_type, index)
+        self._warned_pageable = False
+
+    def __repr__(self) -> str:
+        return f"AcceleratorBackend({str(self._device)!r})"
+
+    @property
+    def name(self) -> str:
+        """The device type: ``"cuda"``, ``"npu"`` or ``"xpu"``."""
+        return self._device.type
+
+    @property
+    def device(self) -> torch.device:
+        """The device (with its index) this backend allocates on."""
+        return self._device
+
+    # -- memory -------------------------------------------------------------
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on exactly this backend's device."""
+        return tensor.device == self._device
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Real memory needs no tracking; only check that the tensor is on this device."""
+        if not self.owns(tensor):
+            raise ValueError(f"Expected a tensor on {self._device}, got one on {tensor.device}")
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialized device memory from torch's caching allocator, on the current stream."""
+        return torch.empty(tuple(shape), dtype=dtype, device=self._device)
+
+    def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host buffer; pageable when pinning fails, which makes copies synchronous but still correct."""
+        try:
+            return _empty_pinned(numel, dtype)
+        except RuntimeError as error:
+            self._warn_pageable_once(error)
+            return torch.empty(numel, dtype=dtype)
+
+    def _warn_pageable_once(self, error: RuntimeError) -> None:
+        if self._warned_pageable:
+            return
+        self._warned_pageable = True
+        warnings.warn(
+            PinnedMemoryWarning(
+                f"Pinned host memory could not be allocated for {self._device} ({error}); "
+                "falling back to pageable memory. Host<->device copies become synchronous, so transfers no "
+                "longer overlap with compute. Check the accelerator runtime or raise the memlock limit (ulimit -l)."
+            ),
+            stacklevel=3,
+        )
+
+    def release_storage(self, tensor: torch.Tensor) -> None:
+        """Hand the bytes back to the caching allocator; the tensor keeps its shape with an empty storage."""
+        tensor.untyped_storage().resize_(0)
+
+    def restore_storage(self, tensor: torch.Tensor) -> None:
+        """Regrow a released storage; only whole-storage tensors can be regrown to a known size."""
+        if not tensor.is_contiguous() or tensor.storage_offset() != 0:
+            raise ValueError(
+                "restore_storage needs a contiguous tensor at storage offset 0, got shape "
+                f"{tuple(tensor.shape)}, stride {tensor.stride()}, offset {tensor.storage_offset()}"
+            )
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+    def memory_allocated(self) -> int:
+        """Bytes held by tensors on this device (torch's caching-allocator statistic)."""
+        return self._module.memory_allocated(self._device)
+
+    def max_memory_allocated(self) -> int:
+        """Peak of :meth:`memory_allocated` since the last reset."""
+        return self._module.max_memory_allocated(self._device)
+
+    def reset_peak_memory_stats(self) -> None:
+        """Restart peak tracking from the current allocation."""
+        self._module.reset_peak_memory_stats(self._device)
+
+    # -- streams and events --------------------------------------------------
+    def compute_stream(self) -> Stream:
+        """The device's current stream, on which optimizer math is issued."""
+        return self._module.current_stream(self._device)
+
+    def new_stream(self) -> Stream:
+        """A fresh stream on this device for copies."""
+        return self._module.Stream(device=self._device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
+        """Enqueue the copy on ``stream``; asynchronous only when the host side is pinned (else torch syncs)."""
+        with self._module.stream(_device_stream(stream)):
+            dst.copy_(src, non_blocking=_can_copy_async(dst, src))
+
+    def record_event(self, stream: Stream) -> Event:
+        """A new event recorded at the current end of ``stream``."""
+        event = self._module.Event()
+        event.record(_device_stream(stream))
+        return event
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Device-side wait: the host does not block."""
+        _device_stream(stream).wait_event(cast(_DeviceEvent, event))
+
+    def synchronize(self) -> None:
+        """Block the host until every stream of this device is idle."""
+        self._module.synchronize(self._device)
+
+    def compute_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Real devices need no per-op checking."""
+        return contextlib.nullcontext()
+
+
+def _load_device_module(device_type: str) -> _DeviceModule:
+    if device_type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(
+            f"Unsupported accelerator device type {device_type!r}; AcceleratorBackend supports "
+            f"{', '.join(SUPPORTED_DEVICE_TYPES)} (use backend='sim' for the simulated accelerator)"
+        )
+    unavailable = (
+        f"The {device_type} accelerator is not available to torch {torch.__version__}: "
+        f"{_INSTALL_HINTS[device_type]} (or use backend='sim' for the simulated accelerator)"
+    )
+    try:
+        extension = _DEVICE_EXTENSIONS.get(device_type)
+        if extension is not None:  # normally autoloaded by torch; imported here in case autoload is off
+            importlib.import_module(extension)
+        module = torch.get_device_module(device_type)
+    except (ImportError, RuntimeError, AttributeError) as error:  # torch does not know the device type
+        raise RuntimeError(unavailable) from error
+    if not module.is_available():
+        raise RuntimeError(unavailable)
+    return cast(_DeviceModule, module)
+
+
+def _empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Separate from the backend so tests can make pinning fail on machines where it works."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+def _can_copy_async(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Asynchrony needs pinned host memory; a pageable host side stays a blocking (always correct) copy."""
+    return all(tensor.is_pinned() for tensor in (dst, src) if tensor.device.type == "cpu")
+
+
+def _device_stream(stream: Stream) -> _DeviceStream:
+    """Streams handed to this backend are the ones it created, so they carry the module's stream API."""
+    return cast(_DeviceStream, stream)

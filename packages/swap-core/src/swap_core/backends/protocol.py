@@ -1,0 +1,132 @@
+"""The device seam: the only interface through which swap touches an accelerator.
+
+Everything that involves streams, events, asynchronous copies, pinned host
+allocation or device memory statistics goes through a :class:`DeviceBackend`.
+Two implementations exist: :class:`~swap_core.backends.accelerator.AcceleratorBackend`
+for real devices (npu, cuda, xpu) and :class:`~swap_core.backends.sim.SimBackend`,
+a simulated accelerator over CPU memory that makes ordering bugs fail loudly.
+
+Semantics every backend follows (the CUDA stream model):
+
+* the *compute stream* is the stream on which optimizer math runs; work issued
+  on other streams runs asynchronously with respect to it and to the host;
+* ``copy`` enqueues a copy on a stream and returns immediately;
+* ``record_event``/``wait_event`` order streams; ``Event.synchronize`` and
+  ``synchronize`` block the host;
+* memory returned by ``empty`` and ``restore_storage`` is associated with the
+  compute stream: another stream that writes it must first wait for an event
+  recorded on the compute stream after the allocation;
+* ``release_storage`` frees on the compute stream: the compute stream must first
+  wait for every other stream still using the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["DeviceBackend", "Event", "Stream"]
+
+
+class Stream(Protocol):
+    """An opaque, backend-specific stream handle."""
+
+
+@runtime_checkable
+class Event(Protocol):
+    """A point in a stream's work that other streams or the host can wait for."""
+
+    def query(self) -> bool:
+        """Whether all work recorded before the event has completed."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the event has completed."""
+        ...
+
+
+@runtime_checkable
+class DeviceBackend(Protocol):
+    """Streams, events, copies and memory of one accelerator."""
+
+    @property
+    def name(self) -> str:
+        """Short backend name: ``"sim"``, ``"cuda"``, ``"npu"``, ``"xpu"``."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """The torch device on which this backend's device tensors live."""
+        ...
+
+    # -- memory -------------------------------------------------------------
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in this backend's device memory."""
+        ...
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Declare an existing tensor (a parameter, a gradient) as device memory.
+
+        Real backends only check the device; the simulator starts tracking it.
+        """
+        ...
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Allocate device memory on the compute stream; contents are undefined."""
+        ...
+
+    def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate a 1-D host buffer, pinned when possible (pageable fallback warns once)."""
+        ...
+
+    def release_storage(self, tensor: torch.Tensor) -> None:
+        """Free the device storage behind ``tensor`` (the tensor object stays valid but empty)."""
+        ...
+
+    def restore_storage(self, tensor: torch.Tensor) -> None:
+        """Re-allocate storage released by :meth:`release_storage`; contents are undefined."""
+        ...
+
+    def memory_allocated(self) -> int:
+        """Device bytes currently allocated."""
+        ...
+
+    def max_memory_allocated(self) -> int:
+        """Peak device bytes since the last :meth:`reset_peak_memory_stats`."""
+        ...
+
+    def reset_peak_memory_stats(self) -> None:
+        """Restart peak tracking from the current allocation."""
+        ...
+
+    # -- streams and events --------------------------------------------------
+    def compute_stream(self) -> Stream:
+        """The stream on which optimizer math runs (the current stream)."""
+        ...
+
+    def new_stream(self) -> Stream:
+        """A new stream for copies."""
+        ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
+        """Enqueue ``dst.copy_(src)`` on ``stream`` (asynchronous when host memory is pinned)."""
+        ...
+
+    def record_event(self, stream: Stream) -> Event:
+        """Record an event at the current end of ``stream``'s work."""
+        ...
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Make future work on ``stream`` wait until ``event`` has completed."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until every stream has finished its work."""
+        ...
+
+    def compute_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which optimizer math runs; the simulator checks every op inside it."""
+        ...

@@ -1,0 +1,498 @@
+"""The simulated accelerator: the stream model of a real device over CPU memory, made strict.
+
+A CPU-only machine cannot run real streams, yet the swap pipeline's correctness
+is all about stream ordering. :class:`SimBackend` keeps the CUDA semantics of the
+:mod:`~swap_core.backends.protocol` but makes every ordering mistake observable:
+copy streams run as late as allowed (``lazy``) or at seeded random points
+(``random``), fresh device memory is NaN-like poison, and a vector-clock race
+checker reports unordered accesses when they are issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from swap_core.backends.protocol import Event, Stream
+from swap_core.errors import PinnedMemoryWarning, SimPageableCopyError, SimUseAfterFreeError
+
+from .checks import ComputeCheckMode, ComputeOpChecker
+from .copy_stats import CopyStats
+from .faults import CopyFault, is_count
+from .memory import (
+    HOST_KINDS,
+    MemoryKind,
+    MemoryRegistry,
+    StorageRecord,
+    byte_span,
+    poison_storage,
+    storage_key,
+    storage_too_small,
+)
+from .race_checker import COMPUTE_AGENT, AccessRequest, OnRace, RaceChecker
+from .streams import QueuedCopy, QueuedWait, SimEvent, SimStream, StreamScheduler
+
+if TYPE_CHECKING:
+    from swap_core.backends.protocol import DeviceBackend
+
+__all__ = ["SIM_MODES", "SimBackend", "SimMode"]
+
+SimMode = Literal["lazy", "random", "sync"]
+SIM_MODES: tuple[SimMode, ...] = ("lazy", "random", "sync")
+_ON_RACE: tuple[OnRace, ...] = ("raise", "record")
+
+
+class SimBackend:
+    """A simulated accelerator whose device memory is CPU memory the simulator tracks.
+
+    Memory classes: storages from :meth:`empty`, :meth:`restore_storage` and
+    :meth:`adopt` are *device* memory; storages from :meth:`empty_host` are *host*
+    memory (pinned, or pageable with ``pinned_memory=False``); every other CPU
+    tensor is *plain* and counts as on the device (so a CPU model's parameters need
+    no set-up), but is not race-tracked.
+
+    Args:
+        mode: when copy streams run. ``"lazy"``: only when forced (a compute-stream
+            wait on one of their events, ``Event.synchronize``, ``synchronize``);
+            ``"random"``: also at seeded random points (every backend call, and every
+            checked compute op); ``"sync"``: each queued op runs at once.
+        seed: seed of the ``"random"`` schedule; the same seed gives the same schedule.
+        check_races: run the race checker and, inside :meth:`compute_scope`, the
+            per-op checks (use after free, host/device mixing). Off, nothing
+            intercepts ops and :meth:`compute_scope` is a no-op.
+        poison: fill fresh device and host memory with 0xFF bytes (NaN for floats).
+        pinned_memory: ``False`` simulates a failed pin: :meth:`empty_host` warns once
+            and returns pageable memory, whose copies run synchronously.
+        on_race: ``"raise"`` a :class:`~swap_core.errors.SimRaceError` at the first
+            race, or only ``"record"`` it in :attr:`races`.
+    """
+
+    def __init__(
+        self,
+        mode: SimMode = "lazy",
+        seed: int = 0,
+        check_races: bool = True,
+        poison: bool = True,
+        pinned_memory: bool = True,
+        *,
+        on_race: OnRace = "raise",
+    ) -> None:
+        if mode not in SIM_MODES:
+            raise ValueError(f"Invalid simulator mode: {mode!r}; expected one of {SIM_MODES}")
+        seed_value: object = seed  # checked at runtime whatever the annotation says
+        if isinstance(seed_value, bool) or not isinstance(seed_value, int):
+            raise TypeError(f"Invalid simulator seed: {seed!r}; expected an int")
+        if on_race not in _ON_RACE:
+            raise ValueError(f"Invalid on_race: {on_race!r}; expected one of {_ON_RACE}")
+        self.mode: SimMode = mode
+        self.seed = seed
+        self.check_races = check_races
+        self.poison = poison
+        self.pinned_memory = pinned_memory
+        self.on_race: OnRace = on_race
+        self.copy_stats = CopyStats()
+        """Copies and bytes per direction since construction or :meth:`reset_copy_stats`."""
+        self._race_checker = RaceChecker(on_race) if check_races else None
+        self.races: list[str] = self._race_checker.races if self._race_checker is not None else []
+        """Every race found so far (with ``on_race="raise"``, the ones raised)."""
+        self._registry = MemoryRegistry(self._forget_history)
+        self._scheduler = StreamScheduler(self._execute_copy)
+        self._sync = mode == "sync"
+        self._rng = random.Random(seed) if mode == "random" else None
+        self._op_checker = (
+            ComputeOpChecker(self._registry, self._race_checker, self._tick) if self._race_checker is not None else None
+        )
+        self._active_mode: ComputeCheckMode | None = None
+        self._fault: CopyFault | None = None
+        self._warned_pageable = False
+
+    def __repr__(self) -> str:
+        return (
+            f"SimBackend(mode={self.mode!r}, seed={self.seed}, check_races={self.check_races}, "
+            f"poison={self.poison}, pinned_memory={self.pinned_memory})"
+        )
+
+    @property
+    def name(self) -> str:
+        return "sim"
+
+    @property
+    def device(self) -> torch.device:
+        """Simulated device memory is CPU memory."""
+        return torch.device("cpu")
+
+    # -- memory -------------------------------------------------------------
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Any CPU tensor that is not host memory from :meth:`empty_host` is on the simulated device."""
+        if tensor.device.type != "cpu":
+            return False
+        record = self._registry.lookup(storage_key(tensor))
+        return record is None or record.kind is MemoryKind.DEVICE
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Track a parameter or gradient as device memory (nothing is counted: it was allocated before)."""
+        self._tick()
+        if tensor.device.type != "cpu":
+            raise ValueError(f"SimBackend can only adopt CPU tensors, got one on {tensor.device}")
+        record = self._registry.lookup(storage_key(tensor))
+        if record is None:
+            self._registry.register(tensor, MemoryKind.DEVICE)
+        elif record.kind in HOST_KINDS:
+            raise ValueError("Cannot adopt host memory from empty_host() as device memory")
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Poisoned device memory, written by the compute stream: a copy stream filling it must wait for that."""
+        self._tick()
+        with self._untracked():
+            tensor = torch.empty(tuple(shape), dtype=dtype)
+            if self.poison:
+                poison_storage(tensor)
+        record = self._registry.register(tensor, MemoryKind.DEVICE)
+        nbytes = tensor.untyped_storage().nbytes()
+        self._registry.count(record, nbytes)
+        self._compute_writes_storage(tensor, nbytes, "empty (allocation)")
+        return tensor
+
+    def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A poisoned 1-D host buffer; pageable (copies run synchronously) when pinning is simulated to fail."""
+        if not is_count(numel):
+            raise ValueError(f"Invalid host buffer size: {numel!r}; expected an int >= 0")
+        self._tick()
+        with self._untracked():
+            tensor = torch.empty(numel, dtype=dtype)
+            if self.poison:
+                poison_storage(tensor)
+        if self.pinned_memory:
+            self._registry.register(tensor, MemoryKind.HOST)
+        else:
+            self._warn_pageable_once()
+            self._registry.register(tensor, MemoryKind.PAGEABLE_HOST)
+        return tensor
+
+    def release_storage(self, tensor: torch.Tensor) -> None:
+        """Free the storage on the compute stream; the compute stream must have waited for copies still using it.
+
+        A plain CPU tensor (an optimizer state created by torch) becomes tracked
+        device memory here, so that a later use of it inside :meth:`compute_scope`
+        raises :class:`~swap_core.errors.SimUseAfterFreeError` instead of crashing.
+        """
+        self._tick()
+        record = self._device_record(tensor, "release_storage")
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        self._compute_writes_storage(tensor, nbytes, "release_storage")
+        with self._untracked():
+            storage.resize_(0)
+        self._registry.uncount(record)
+
+    def restore_storage(self, tensor: torch.Tensor) -> None:
+        """Re-allocate a released storage (poisoned, counted, written by the compute stream)."""
+        self._tick()
+        if not tensor.is_contiguous() or tensor.storage_offset() != 0:
+            raise ValueError(
+                "restore_storage needs a contiguous tensor at storage offset 0, got shape "
+                f"{tuple(tensor.shape)}, stride {tensor.stride()}, offset {tensor.storage_offset()}"
+            )
+        record = self._device_record(tensor, "restore_storage")
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        held = storage.nbytes()
+        if held == nbytes:
+            return
+        if held != 0:
+            raise ValueError(
+                f"restore_storage expects a storage released by release_storage; this one holds {held} bytes "
+                f"and the tensor needs {nbytes}"
+            )
+        self._compute_writes_storage(tensor, nbytes, "restore_storage")
+        with self._untracked():
+            storage.resize_(nbytes)
+            if self.poison:
+                poison_storage(tensor)
+        self._registry.count(record, nbytes)
+
+    def memory_allocated(self) -> int:
+        """Device bytes from :meth:`empty` and :meth:`restore_storage` still alive."""
+        return self._registry.allocated_bytes
+
+    def max_memory_allocated(self) -> int:
+        """Peak of :meth:`memory_allocated` since construction or :meth:`reset_peak_memory_stats`."""
+        return self._registry.peak_bytes
+
+    def reset_peak_memory_stats(self) -> None:
+        self._registry.reset_peak()
+
+    # -- streams and events --------------------------------------------------
+    def compute_stream(self) -> Stream:
+        """The eager stream: its work runs as Python issues it."""
+        return self._scheduler.compute
+
+    def new_stream(self) -> Stream:
+        """A copy stream: a queue that runs when forced (see ``mode``)."""
+        stream = self._scheduler.new_stream()
+        if self._race_checker is not None:
+            self._race_checker.add_agent(stream.name)
+        return stream
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
+        """Issue ``dst.copy_(src)`` on ``stream``; it runs at once on the compute stream, in sync mode, or when
+        host memory is pageable, and otherwise when the stream is forced.
+
+        Exactly one side must be host memory from :meth:`empty_host`, or both sides
+        tracked device memory. A plain CPU tensor facing device memory stands for
+        pageable host memory, which an asynchronous copy cannot use.
+        """
+        # The hot path of sync mode without checks: keep it to lookups, counters and the copy itself.
+        if self._rng is not None:
+            self._tick()
+        sim_stream = self._own_stream(stream)
+        records = self._registry.records
+        dst_record = records.get(dst.untyped_storage()._cdata)
+        src_record = records.get(src.untyped_storage()._cdata)
+        direction = _copy_direction(dst, src, dst_record, src_record)
+        nbytes = dst.numel() * dst.element_size()
+        fault = self._fault
+        if fault is not None and fault.fires(direction):
+            self._fault = None
+            raise fault.error(direction, nbytes)
+        self.copy_stats.add(direction, nbytes)
+        if self._race_checker is not None:
+            self._record_copy(sim_stream, direction, dst, dst_record, src, src_record)
+        op = QueuedCopy(dst, src, direction)
+        pageable = (dst_record is not None and dst_record.is_pageable) or (
+            src_record is not None and src_record.is_pageable
+        )
+        if sim_stream.is_compute:
+            self._execute_copy(op)
+        elif self._sync and not sim_stream.queue:
+            sim_stream.enqueued += 1
+            sim_stream.completed += 1
+            self._execute_copy(op)
+        else:
+            self._scheduler.enqueue(sim_stream, op)
+            if self._sync or pageable:
+                self._scheduler.drain(sim_stream)
+        if pageable and self._race_checker is not None:
+            self._race_checker.host_waits_for(sim_stream.name)
+
+    def record_event(self, stream: Stream) -> Event:
+        """An event at the current end of ``stream`` (always complete on the eager compute stream)."""
+        self._tick()
+        sim_stream = self._own_stream(stream)
+        snapshot = self._race_checker.snapshot(sim_stream.name) if self._race_checker is not None else None
+        return SimEvent(self, sim_stream, sim_stream.enqueued, snapshot)
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """A copy stream queues the wait; the eager compute stream runs the event's stream up to it right away."""
+        self._tick()
+        sim_stream = self._own_stream(stream)
+        sim_event = self._own_event(event)
+        if self._race_checker is not None and sim_event.snapshot is not None:
+            self._race_checker.wait(sim_stream.name, sim_event.snapshot)
+        if sim_event.done:
+            return
+        if sim_stream.is_compute:
+            self._scheduler.force(sim_event.stream, sim_event.position)
+            return
+        self._scheduler.enqueue(sim_stream, QueuedWait(sim_event))
+        if self._sync:
+            self._scheduler.drain(sim_stream)
+
+    def synchronize(self) -> None:
+        """Run every queue to its end; the host is then ordered after all issued work."""
+        self._tick()
+        self._scheduler.drain_all()
+        if self._race_checker is not None:
+            self._race_checker.host_waits_all()
+
+    def compute_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Check every op inside (use after free, host/device mixing, races) when ``check_races`` is on.
+
+        These checks exist only inside the scope and only with checks on; with
+        ``check_races=False`` this is :func:`contextlib.nullcontext` and no op is
+        intercepted. Nested scopes of one backend check each op once.
+        """
+        if self._op_checker is None:
+            return contextlib.nullcontext()
+        return self._checked_scope(self._op_checker)
+
+    # -- simulator extras ------------------------------------------------------
+    def fail_copy(self, at: int, direction: str | None = None) -> None:
+        """Arm a one-shot fault: the ``at``-th next :meth:`copy` call (0-based; of ``direction`` only, when given)
+        raises :class:`~swap_core.errors.SimInjectedFault` before anything is issued."""
+        self._fault = CopyFault(at, direction)
+
+    def reset_copy_stats(self) -> None:
+        """Zero :attr:`copy_stats` in place (references to it stay valid)."""
+        for field in fields(self.copy_stats):
+            setattr(self.copy_stats, field.name, 0)
+
+    def pending_ops(self) -> int:
+        """Copies and waits issued to copy streams that have not run yet."""
+        return self._scheduler.pending()
+
+    def memory_kind(self, tensor: torch.Tensor) -> MemoryKind | None:
+        """What ``tensor``'s storage simulates; ``None`` for a plain CPU tensor."""
+        record = self._registry.lookup(storage_key(tensor))
+        return None if record is None else record.kind
+
+    # -- internals ------------------------------------------------------------
+    def _tick(self) -> None:
+        """In random mode, maybe run some queued work now: any point is a legal time for it to run."""
+        if self._rng is not None:
+            self._scheduler.run_random(self._rng)
+
+    def _untracked(self) -> contextlib.AbstractContextManager[None]:
+        """The simulator's own tensor ops (fills, copies) are not compute ops of the program."""
+        mode = self._active_mode
+        return contextlib.nullcontext() if mode is None else mode.paused()
+
+    def _execute_copy(self, op: QueuedCopy) -> None:
+        for tensor, role in ((op.dst, "destination"), (op.src, "source")):
+            if storage_too_small(tensor):
+                raise SimUseAfterFreeError(
+                    f"A {op.direction} copy ran after the storage of its {role} was released "
+                    "(release_storage before the copy stream finished with it); the copy is dropped"
+                )
+        mode = self._active_mode
+        if mode is None:
+            op.dst.copy_(op.src)
+        else:
+            with mode.paused():
+                op.dst.copy_(op.src)
+
+    def _record_copy(
+        self,
+        stream: SimStream,
+        direction: str,
+        dst: torch.Tensor,
+        dst_record: StorageRecord | None,
+        src: torch.Tensor,
+        src_record: StorageRecord | None,
+    ) -> None:
+        assert self._race_checker is not None
+        requests = [
+            AccessRequest(storage_key(tensor), record.kind.value, *byte_span(tensor), is_write)
+            for tensor, record, is_write in ((src, src_record, False), (dst, dst_record, True))
+            if record is not None and tensor.numel() > 0
+        ]
+        self._race_checker.access(stream.name, requests, f"copy {direction}")
+
+    def _compute_writes_storage(self, tensor: torch.Tensor, nbytes: int, op: str) -> None:
+        """Allocation and freeing are compute-stream writes of the whole storage."""
+        if self._race_checker is not None and nbytes > 0:
+            request = AccessRequest(storage_key(tensor), MemoryKind.DEVICE.value, 0, nbytes, True)
+            self._race_checker.access(COMPUTE_AGENT, [request], op)
+
+    def _device_record(self, tensor: torch.Tensor, what: str) -> StorageRecord:
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{what} of SimBackend needs a CPU tensor, got one on {tensor.device}")
+        record = self._registry.lookup(storage_key(tensor))
+        if record is None:
+            return self._registry.register(tensor, MemoryKind.DEVICE)
+        if record.kind in HOST_KINDS:
+            raise ValueError(f"{what} manages device memory, but this tensor is host memory from empty_host()")
+        return record
+
+    def _forget_history(self, key: int) -> None:
+        if self._race_checker is not None:
+            self._race_checker.forget(key)
+
+    def _warn_pageable_once(self) -> None:
+        if self._warned_pageable:
+            return
+        self._warned_pageable = True
+        warnings.warn(
+            PinnedMemoryWarning(
+                "Pinned host memory is unavailable (SimBackend(pinned_memory=False) simulates a failed pin); "
+                "falling back to pageable memory: host<->device copies become synchronous and no longer overlap "
+                "with compute."
+            ),
+            stacklevel=3,
+        )
+
+    def _own_stream(self, stream: Stream) -> SimStream:
+        scheduler = self._scheduler
+        if isinstance(stream, SimStream) and (stream is scheduler.compute or stream in scheduler.copy_streams):
+            return stream
+        raise ValueError(f"{stream!r} is not a stream of this SimBackend")
+
+    def _own_event(self, event: Event) -> SimEvent:
+        if isinstance(event, SimEvent) and event.owner is self:
+            return event
+        raise ValueError(f"{event!r} is not an event of this SimBackend")
+
+    @contextlib.contextmanager
+    def _checked_scope(self, checker: ComputeOpChecker) -> Iterator[None]:
+        if self._active_mode is not None:
+            yield
+            return
+        mode = ComputeCheckMode(checker)
+        self._active_mode = mode
+        try:
+            with mode:
+                yield
+        finally:
+            self._active_mode = None
+
+    # -- event callbacks (SimEvent delegates here) ---------------------------
+    def _query_event(self, event: SimEvent) -> bool:
+        self._tick()
+        if not event.done:
+            return False
+        if self._race_checker is not None and event.snapshot is not None:
+            self._race_checker.host_waits(event.snapshot)
+        return True
+
+    def _synchronize_event(self, event: SimEvent) -> None:
+        self._tick()
+        self._scheduler.force(event.stream, event.position)
+        if self._race_checker is not None and event.snapshot is not None:
+            self._race_checker.host_waits(event.snapshot)
+
+
+def _copy_direction(
+    dst: torch.Tensor, src: torch.Tensor, dst_record: StorageRecord | None, src_record: StorageRecord | None
+) -> str:
+    """``"h2d"``, ``"d2h"`` or ``"d2d"``; raises for copies a real device could not run asynchronously."""
+    if not (dst.is_cpu and src.is_cpu):
+        raise ValueError(f"SimBackend copies CPU tensors only, got dst on {dst.device} and src on {src.device}")
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(
+            f"SimBackend.copy needs matching shapes and dtypes, got dst {tuple(dst.shape)} {dst.dtype} "
+            f"and src {tuple(src.shape)} {src.dtype}"
+        )
+    dst_host = dst_record is not None and dst_record.is_host
+    src_host = src_record is not None and src_record.is_host
+    if dst_host and src_host:
+        raise ValueError(
+            "SimBackend.copy moves data between host and device, but dst and src are both host memory "
+            "from empty_host(); copy host buffers with Tensor.copy_"
+        )
+    if src_host:
+        return "h2d"
+    if dst_host:
+        return "d2h"
+    if dst_record is None or src_record is None:
+        plain = "src" if src_record is None else "dst"
+        raise SimPageableCopyError(
+            f"SimBackend.copy got a plain CPU tensor as {plain} ({tuple(src.shape)} {src.dtype}) with no host "
+            "buffer on the other side: the simulator treats it as pageable host memory, which an asynchronous "
+            "copy cannot use. Allocate host buffers with empty_host(); declare device tensors such as parameters "
+            "and gradients with adopt()."
+        )
+    return "d2d"
+
+
+if TYPE_CHECKING:
+
+    def _conforms_to_protocol(backend: SimBackend) -> DeviceBackend:
+        return backend

@@ -1,0 +1,158 @@
+"""Which CPU storages the simulator treats as host or device memory, and how many device bytes are live.
+
+Storages are keyed by their StorageImpl address (``untyped_storage()._cdata``), which
+stays the same across ``resize_``, so a storage released and restored keeps its
+identity. A record is dropped when the tensor that registered it is garbage
+collected (``weakref.finalize``): the address may then be reused by an unrelated
+storage, which must start as a plain tensor with no history. Views keep their
+``_base`` alive, so a view in use keeps its record; an alias made without ``_base``
+(``detach()``, ``set_``) does not, and its storage then becomes plain (fewer checks,
+never a false report).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "HOST_KINDS",
+    "MemoryKind",
+    "MemoryRegistry",
+    "StorageRecord",
+    "byte_span",
+    "poison_storage",
+    "storage_key",
+    "storage_too_small",
+]
+
+
+class MemoryKind(enum.Enum):
+    """What a registered storage simulates; unregistered CPU storages are *plain* (neutral)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    PAGEABLE_HOST = "pageable host"
+
+
+HOST_KINDS = frozenset({MemoryKind.HOST, MemoryKind.PAGEABLE_HOST})
+"""Kinds that are host memory, whether pinned or not."""
+
+POISON_BYTE = 0xFF
+"""All-ones bytes read as NaN in fp32/bf16/fp16 and -1 in integers: a missing wait shows as a wrong number."""
+
+
+@dataclass(eq=False, slots=True)
+class StorageRecord:
+    """One registered storage: its kind and the device bytes the accounting holds for it."""
+
+    kind: MemoryKind
+    counted_bytes: int = 0
+    finalizer: weakref.finalize[[int, StorageRecord], torch.Tensor] | None = field(default=None, repr=False)
+    is_host: bool = field(init=False)
+    """Flags precomputed from ``kind``: the copy path tests them on every call."""
+    is_pageable: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_host = self.kind in HOST_KINDS
+        self.is_pageable = self.kind is MemoryKind.PAGEABLE_HOST
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage, stable across ``resize_``."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[lo, hi)`` of its storage that a non-empty ``tensor`` can touch.
+
+    Conservative for non-contiguous layouts: the span from the first to the last
+    element, gaps included (a false overlap only costs an extra wait in a test).
+    """
+    element_size = tensor.element_size()
+    offset = tensor.storage_offset()
+    extent = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        extent += (size - 1) * stride
+    return int(offset * element_size), int((offset + extent) * element_size)
+
+
+def storage_too_small(tensor: torch.Tensor) -> bool:
+    """Whether touching ``tensor`` would read past its storage (released storage would crash the process)."""
+    held = tensor.untyped_storage().nbytes()
+    if tensor.is_contiguous() and held >= (tensor.storage_offset() + tensor.numel()) * tensor.element_size():
+        return False
+    return tensor.numel() > 0 and held < byte_span(tensor)[1]
+
+
+def poison_storage(tensor: torch.Tensor) -> None:
+    """Fill the whole storage with 0xFF bytes so that reading it before a copy lands gives NaN."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() > 0:
+        torch.empty(0, dtype=torch.uint8).set_(storage).fill_(POISON_BYTE)
+
+
+class MemoryRegistry:
+    """Registered storages by key, and the exact device-byte accounting of the simulator.
+
+    Only bytes allocated through ``empty`` and ``restore_storage`` are counted;
+    adopted tensors (parameters, gradients) are device memory with nothing counted,
+    like model weights allocated before a peak-memory reset.
+    """
+
+    def __init__(self, on_forget: Callable[[int], None]) -> None:
+        self.records: dict[int, StorageRecord] = {}
+        """Registered storages by :func:`storage_key`; read directly on hot paths, changed only through methods."""
+        self._on_forget = on_forget
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+
+    def lookup(self, key: int) -> StorageRecord | None:
+        """The record of a storage, ``None`` for a plain CPU storage."""
+        return self.records.get(key)
+
+    def register(self, tensor: torch.Tensor, kind: MemoryKind) -> StorageRecord:
+        """Start tracking ``tensor``'s storage as new memory of ``kind``, forgetting any earlier record."""
+        key = storage_key(tensor)
+        previous = self.records.pop(key, None)
+        if previous is not None:
+            self._drop(previous)
+        self._on_forget(key)
+        record = StorageRecord(kind)
+        owner = tensor._base if tensor._base is not None else tensor
+        finalizer = weakref.finalize(owner, self._forget, key, record)
+        finalizer.atexit = False
+        record.finalizer = finalizer
+        self.records[key] = record
+        return record
+
+    def count(self, record: StorageRecord, nbytes: int) -> None:
+        """Account ``nbytes`` newly allocated for ``record``'s storage."""
+        record.counted_bytes += nbytes
+        self.allocated_bytes += nbytes
+        if self.allocated_bytes > self.peak_bytes:
+            self.peak_bytes = self.allocated_bytes
+
+    def uncount(self, record: StorageRecord) -> None:
+        """Give back whatever was counted for ``record`` (nothing for adopted tensors)."""
+        self.allocated_bytes -= record.counted_bytes
+        record.counted_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.allocated_bytes
+
+    def _forget(self, key: int, record: StorageRecord) -> None:
+        """Finalizer of the registering tensor: its storage is gone, or is about to be untracked."""
+        if self.records.get(key) is record:
+            del self.records[key]
+            self.uncount(record)
+            self._on_forget(key)
+
+    def _drop(self, record: StorageRecord) -> None:
+        self.uncount(record)
+        if record.finalizer is not None:
+            record.finalizer.detach()

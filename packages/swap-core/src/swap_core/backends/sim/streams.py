@@ -1,0 +1,151 @@
+"""Simulated streams: an eager compute stream and FIFO queues of copies and waits.
+
+The compute stream runs every op the moment Python issues it, so it never holds
+queued work. A copy stream is a queue that runs only when something *forces* it:
+a wait on one of its events from the compute stream, an event or device
+synchronize, or the random scheduler. Queued work therefore runs as late as the
+ordering allows (or at a seeded random point), which is what makes a missing wait
+visible as a wrong number. An event is just a position in its stream's queue.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from .race_checker import VectorClock
+
+__all__ = ["EventOwner", "QueuedCopy", "QueuedWait", "SimEvent", "SimStream", "StreamScheduler"]
+
+
+class QueuedCopy:
+    """``dst.copy_(src)`` waiting in a copy stream's queue."""
+
+    __slots__ = ("direction", "dst", "src")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+        self.dst = dst
+        self.src = src
+        self.direction = direction
+
+
+class QueuedWait:
+    """Later work of the stream may not start before ``event`` completes."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: SimEvent) -> None:
+        self.event = event
+
+
+class SimStream:
+    """A simulated stream; ``enqueued``/``completed`` count queued ops and give events their positions."""
+
+    __slots__ = ("completed", "enqueued", "is_compute", "name", "queue")
+
+    def __init__(self, name: str, *, is_compute: bool = False) -> None:
+        self.name = name
+        self.is_compute = is_compute
+        self.queue: deque[QueuedCopy | QueuedWait] = deque()
+        self.enqueued = 0
+        self.completed = 0
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name!r}, pending={len(self.queue)})"
+
+
+class EventOwner(Protocol):
+    """The backend an event reports to, so that waiting on it can force queues and order the host."""
+
+    def _query_event(self, event: SimEvent) -> bool: ...
+
+    def _synchronize_event(self, event: SimEvent) -> None: ...
+
+
+class SimEvent:
+    """The point of ``stream``'s queue reached when the event was recorded."""
+
+    __slots__ = ("owner", "position", "snapshot", "stream")
+
+    def __init__(self, owner: EventOwner, stream: SimStream, position: int, snapshot: VectorClock | None) -> None:
+        self.owner = owner
+        self.stream = stream
+        self.position = position
+        self.snapshot = snapshot
+
+    @property
+    def done(self) -> bool:
+        """Whether the work before the event has run (without ordering the host after it)."""
+        return self.stream.completed >= self.position
+
+    def query(self) -> bool:
+        """Whether the work before the event has run; never runs queued work, so lazy-mode polling spins."""
+        return self.owner._query_event(self)
+
+    def synchronize(self) -> None:
+        """Run the stream up to the event and order the host after it."""
+        self.owner._synchronize_event(self)
+
+    def __repr__(self) -> str:
+        return f"SimEvent({self.stream.name!r}, position={self.position}, done={self.done})"
+
+
+class StreamScheduler:
+    """Owns the streams and runs queued work in FIFO order when forced.
+
+    Forcing never deadlocks: a wait can only name an event recorded before the wait
+    was enqueued, so the chain of forced streams always ends.
+    """
+
+    def __init__(self, execute_copy: Callable[[QueuedCopy], None]) -> None:
+        self._execute_copy = execute_copy
+        self.compute = SimStream("compute", is_compute=True)
+        self.copy_streams: list[SimStream] = []
+
+    def new_stream(self) -> SimStream:
+        stream = SimStream(f"stream{len(self.copy_streams) + 1}")
+        self.copy_streams.append(stream)
+        return stream
+
+    def enqueue(self, stream: SimStream, op: QueuedCopy | QueuedWait) -> None:
+        stream.queue.append(op)
+        stream.enqueued += 1
+
+    def force(self, stream: SimStream, position: int) -> None:
+        """Run ``stream``'s queue until ``position`` ops have completed."""
+        while stream.completed < position:
+            self._run_head(stream)
+
+    def drain(self, stream: SimStream) -> None:
+        self.force(stream, stream.enqueued)
+
+    def drain_all(self) -> None:
+        for stream in self.copy_streams:
+            self.drain(stream)
+
+    def pending(self) -> int:
+        return sum(len(stream.queue) for stream in self.copy_streams)
+
+    def run_random(self, rng: random.Random) -> None:
+        """Maybe run a random prefix of a random busy copy stream (every head is runnable by forcing)."""
+        if rng.random() < 0.5:
+            return
+        busy = [stream for stream in self.copy_streams if stream.queue]
+        if not busy:
+            return
+        stream = rng.choice(busy)
+        self.force(stream, stream.completed + rng.randint(1, len(stream.queue)))
+
+    def _run_head(self, stream: SimStream) -> None:
+        op = stream.queue[0]
+        if isinstance(op, QueuedWait):
+            self.force(op.event.stream, op.event.position)
+        # Pop before running: a copy that fails is dropped, like a faulted kernel, so the queue cannot wedge.
+        stream.queue.popleft()
+        stream.completed += 1
+        if isinstance(op, QueuedCopy):
+            self._execute_copy(op)

@@ -1,0 +1,110 @@
+"""User-facing configuration of a swapped optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from .backends.protocol import DeviceBackend
+
+__all__ = ["BACKEND_NAMES", "BackendSpec", "SwapConfig"]
+
+BACKEND_NAMES = ("auto", "sim", "cuda", "npu", "xpu")
+
+BackendSpec = str | DeviceBackend
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SwapConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"Invalid SwapConfig.{name}: {value} (must be >= {minimum})")
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"SwapConfig.{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwapConfig:
+    """How optimizer states are swapped between pinned host memory and the device."""
+
+    swap_times: int = 16
+    """Number of consecutive batches the parameters are split into (more batches: less device memory)."""
+
+    max_batch_bytes: int | None = None
+    """Upper bound on swapped state bytes per batch; adds batches beyond ``swap_times`` when needed."""
+
+    packed: bool = True
+    """Move each batch as one copy per dtype through two staging arenas (else one copy per tensor)."""
+
+    min_numel: int = 1024
+    """States with fewer elements stay resident on the device."""
+
+    state_keys: tuple[str, ...] | None = None
+    """State keys to swap; ``None`` swaps every key the adapter declares swappable."""
+
+    offload_fraction: float = 1.0
+    """Share of swappable state bytes kept in host memory; the rest stays resident on the device."""
+
+    duplex: bool = True
+    """Run host-to-device and device-to-host copies on separate streams (full-duplex links)."""
+
+    keep_staging: bool = False
+    """Keep the device staging arenas allocated between steps (faster, holds device memory)."""
+
+    backend: BackendSpec = "auto"
+    """``"auto"`` (the parameters' device), ``"sim"``, ``"cuda"``, ``"npu"``, ``"xpu"`` or a backend."""
+
+    def __post_init__(self) -> None:
+        _require_int("swap_times", self.swap_times, minimum=1)
+        if self.max_batch_bytes is not None:
+            _require_int("max_batch_bytes", self.max_batch_bytes, minimum=1)
+        _require_bool("packed", self.packed)
+        _require_int("min_numel", self.min_numel, minimum=0)
+        object.__setattr__(self, "state_keys", _normalize_state_keys(self.state_keys))
+        _validate_fraction(self.offload_fraction)
+        _require_bool("duplex", self.duplex)
+        _require_bool("keep_staging", self.keep_staging)
+        _validate_backend(self.backend)
+
+    def replace(self, **overrides: object) -> SwapConfig:
+        """A copy with ``overrides`` applied and validated; unknown names raise ``TypeError``."""
+        known = {field.name for field in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"Unknown SwapConfig field(s) {unknown}; valid fields are {sorted(known)}")
+        return dataclasses.replace(self, **overrides)  # type: ignore[arg-type]
+
+
+def _normalize_state_keys(state_keys: object) -> tuple[str, ...] | None:
+    if state_keys is None:
+        return None
+    if isinstance(state_keys, str) or not isinstance(state_keys, Iterable):
+        raise TypeError(f"SwapConfig.state_keys must be a sequence of state key names or None, got {state_keys!r}")
+    keys = tuple(state_keys)
+    for key in keys:
+        if not isinstance(key, str):
+            raise TypeError(f"SwapConfig.state_keys entries must be str, got {key!r}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"Invalid SwapConfig.state_keys: {keys} has duplicates")
+    return keys
+
+
+def _validate_fraction(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"SwapConfig.offload_fraction must be a float, got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"Invalid SwapConfig.offload_fraction: {value} (must be within [0, 1])")
+
+
+def _validate_backend(value: object) -> None:
+    if isinstance(value, str):
+        if value not in BACKEND_NAMES:
+            raise ValueError(
+                f"Invalid SwapConfig.backend: {value!r}; expected one of {BACKEND_NAMES} or a DeviceBackend"
+            )
+        return
+    if not isinstance(value, DeviceBackend):
+        raise TypeError(f"SwapConfig.backend must be one of {BACKEND_NAMES} or a DeviceBackend instance, got {value!r}")

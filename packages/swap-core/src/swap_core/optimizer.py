@@ -1,0 +1,345 @@
+"""``SwapOptimizer``: a torch optimizer whose states live in host memory between steps.
+
+Orchestration only: prepare (create missing states) -> partition (cached plan)
+-> pipeline (prefetch / update / offload) -> finish (stats). Where states live
+is the :class:`~swap_core.runtime.store.StateStore`'s business, how they move
+is the :class:`~swap_core.runtime.pipeline.PipelineScheduler`'s, and how a batch
+is updated is the adapter's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .adapters.base import AdapterFactory, StateInit, StateSwapAdapter, UpdateBatch
+from .backend_selection import select_backend
+from .backends.protocol import DeviceBackend
+from .config import SwapConfig
+from .runtime.pipeline import PipelineScheduler
+from .runtime.plan import PlannedBatch, SwapPlan, build_plan
+from .runtime.slots import SwapSlot
+from .runtime.store import StateSource, StateStore
+from .state_dict_loading import load_swapped_state
+from .stats import SwapStats
+
+__all__ = ["SwapOptimizer"]
+
+
+class SwapOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that its states stream through the device during :meth:`step`.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
+    objects, so LR schedulers, gradient clipping and hooks see one optimizer.
+    Between steps every swapped state in ``state`` is a host tensor; call
+    :meth:`synchronize` before reading it directly (``state_dict()`` does).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: SwapConfig | None = None,
+        adapter_factory: AdapterFactory | None = None,
+    ) -> None:
+        if isinstance(optimizer, SwapOptimizer):
+            raise ValueError("The optimizer is already a SwapOptimizer; wrap the plain torch optimizer once")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if config is None:
+            config = SwapConfig()
+        if not isinstance(config, SwapConfig):
+            raise TypeError(f"config must be a SwapConfig, got {type(config).__name__}")
+        if adapter_factory is None:
+            raise TypeError("SwapOptimizer needs an adapter_factory; use swap_optimizer() to find one automatically")
+        self._init_hooks()
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.config = config
+        self.adapter: StateSwapAdapter = adapter_factory(optimizer)
+        self.stats = SwapStats()
+        self.backend: DeviceBackend | None = select_backend(config.backend, self._ordered_params())
+        self._plan: SwapPlan | None = None
+        self._plan_key: tuple[int, int] | None = None
+        self._params_version = 0
+        self._resident_bytes = 0
+        swap_keys = self._swap_keys()
+        if self.backend is None:
+            self._scheduler: PipelineScheduler | None = None
+            self._store: StateStore | None = None
+            return
+        self._scheduler = PipelineScheduler(self.backend, duplex=config.duplex)
+        self._store = self._new_store(swap_keys)
+        self._adopt_params()
+        self._offload_existing_states()
+
+    def _init_hooks(self) -> None:
+        # What torch.optim.Optimizer.__init__ sets up, without re-adding the wrapped optimizer's groups.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    def __repr__(self) -> str:
+        backend = self.backend.name if self.backend is not None else "none (CPU parameters)"
+        return f"SwapOptimizer({self.optimizer!r}, backend={backend}, config={self.config!r})"
+
+    # -- step -----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Update every parameter with a gradient; swapped states stream through the device."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._scheduler is None:
+            self.optimizer.step()
+            return loss
+        started = time.perf_counter()
+        params = self._params_with_grad()
+        self._create_missing_states(params)
+        plan = self._current_plan()
+        stats = SwapStats()
+        self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging)
+        stats.resident_state_device_bytes = self._resident_bytes
+        stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
+        stats.step_seconds = time.perf_counter() - started
+        self.stats = stats
+        return loss
+
+    def _update_batch(self, batch: PlannedBatch) -> None:
+        for group_index, members in itertools.groupby(batch.params, key=lambda item: item[0]):
+            params, grads, states = [], [], []
+            for _, param in members:
+                if param.grad is None:
+                    continue
+                params.append(param)
+                grads.append(param.grad)
+                views = batch.state_views.get(param)
+                states.append({**self.state[param], **views} if views else self.state[param])
+            if params:
+                group = self.param_groups[group_index]
+                self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
+                self._keep_replaced_resident_states(batch, params, states)
+
+    def _keep_replaced_resident_states(
+        self, batch: PlannedBatch, params: list[torch.Tensor], states: list[dict[str, Any]]
+    ) -> None:
+        """An update may rebind resident (not swapped) entries; carry them back into ``state``."""
+        for param, updated in zip(params, states, strict=True):
+            stored = self.state[param]
+            if updated is stored:
+                continue
+            swapped = batch.state_views.get(param, {})
+            for key, value in updated.items():
+                if key not in swapped and stored.get(key) is not value:
+                    stored[key] = value
+
+    def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
+        assert self.backend is not None
+        found = []
+        for group_index, param in self._ordered_params_with_groups():
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"Parameter {tuple(param.shape)} of param group {group_index} has a sparse gradient; "
+                    "swapping supports dense gradients only"
+                )
+            self.backend.adopt(grad)
+            found.append((group_index, param))
+        return found
+
+    def _create_missing_states(self, params: Iterable[tuple[int, torch.Tensor]]) -> None:
+        assert self._store is not None
+        new: list[tuple[SwapSlot, StateSource]] = []
+        for group_index, param in params:
+            if self.state[param]:
+                continue
+            state = self.state[param]
+            for key, value in self.adapter.initial_state(param, self.param_groups[group_index]).items():
+                state[key] = value
+                if not isinstance(value, StateInit):
+                    continue
+                if self._store.should_swap(key, value):
+                    new.append((SwapSlot(param, key, torch.Size(value.shape), value.dtype), float(value.fill)))
+                else:
+                    state[key] = self._store.resident_value(value)
+            self._plan = None
+        self._store.add(new, self._ordered_params())
+
+    def _current_plan(self) -> SwapPlan:
+        assert self._store is not None and self.backend is not None
+        key = (self._store.version, self._params_version)
+        if self._plan is None or self._plan_key != key:
+            params = self._ordered_params_with_groups()
+            costs = self.adapter.partition_costs([param for _, param in params])
+            self._plan = build_plan(
+                self._store,
+                self.backend,
+                params,
+                num_batches=self.config.swap_times,
+                max_batch_bytes=self.config.max_batch_bytes,
+                costs=costs,
+            )
+            self._plan_key = key
+            self._resident_bytes = self._store.resident_bytes(param for _, param in params)
+        return self._plan
+
+    # -- synchronization and state dicts -------------------------------------
+    def synchronize(self) -> None:
+        """Block until every offload has finished, so host mirrors in ``state`` are current."""
+        if self._scheduler is not None:
+            self._scheduler.synchronize()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()``, exactly, with swapped states as host tensors.
+
+        Swapped tensors are the host mirrors themselves (no device copy, no extra
+        host copy), so the result loads into a plain optimizer, whose
+        ``load_state_dict`` moves them to the parameters' device, and
+        ``torch.load(..., weights_only=True)`` reads a saved one.
+        """
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict of this optimizer's family, swapped states straight into host memory.
+
+        Casting follows ``torch.optim.Optimizer.load_state_dict`` (floating states
+        take the parameter's dtype, ``step`` is kept). The checkpoint is checked
+        and staged completely before anything is replaced, so a mismatch raises
+        :class:`~swap_core.errors.StateDictMismatchError` with the state intact.
+        """
+        if self._store is None:
+            self.optimizer.load_state_dict(dict(state_dict))
+            return
+        self.synchronize()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, dict(state_dict))
+            if result is not None:
+                state_dict = result
+        store = self._new_store(self._swap_keys())
+        groups, state = load_swapped_state(self, store, state_dict, self._ordered_params())
+        self._store = store
+        self.state.clear()
+        self.state.update(state)
+        store.attach(self.state)
+        self.param_groups[:] = groups
+        self._plan = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # -- parameters -----------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its states are created and swapped on its first step."""
+        if not hasattr(self, "optimizer"):  # torch's Optimizer machinery may call this before __init__ ends
+            raise RuntimeError("SwapOptimizer is not initialized")
+        if self.backend is not None:
+            select_backend(self.backend, [*self._ordered_params(), *_group_params(param_group)])
+        self.optimizer.add_param_group(param_group)
+        self._params_changed()
+
+    def reset_optimizer_parameters(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Re-bind the optimizer after the model's parameter objects changed.
+
+        ``new_to_old_param`` maps each new parameter to the one it replaces (same
+        shape and dtype): param groups and states move to the new objects, host
+        mirrors stay where they are. Without it, the swap plan is rebuilt from
+        the current ``param_groups`` and ``state`` (after editing them by hand).
+        """
+        self.synchronize()
+        if new_to_old_param:
+            self._rebind(new_to_old_param)
+        self._params_changed()
+        if self._store is not None:
+            self._store.reorder(self._ordered_params())
+
+    def _rebind(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        current = {id(param) for param in self._ordered_params()}
+        old_to_new = {}
+        for new, old in new_to_old_param.items():
+            if id(old) not in current:
+                raise ValueError(f"Parameter {tuple(old.shape)} to replace is not in this optimizer's param groups")
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(
+                    f"Replacement parameter {tuple(new.shape)} {new.dtype} does not match "
+                    f"{tuple(old.shape)} {old.dtype}"
+                )
+            old_to_new[id(old)] = new
+        for group in self.param_groups:
+            group["params"] = [old_to_new.get(id(param), param) for param in group["params"]]
+        for new, old in new_to_old_param.items():
+            if old in self.state:
+                self.state[new] = self.state.pop(old)
+        if self._store is not None:
+            self._store.rekey(new_to_old_param)
+
+    def _params_changed(self) -> None:
+        self._params_version += 1
+        self._plan = None
+        if self.backend is not None:
+            self._adopt_params()
+
+    # -- helpers ----------------------------------------------------------------
+    def _ordered_params_with_groups(self) -> list[tuple[int, torch.Tensor]]:
+        return [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
+
+    def _ordered_params(self) -> list[torch.Tensor]:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    def _adopt_params(self) -> None:
+        assert self.backend is not None
+        for param in self._ordered_params():
+            self.backend.adopt(param)
+
+    def _swap_keys(self) -> tuple[str, ...]:
+        declared = self.adapter.swappable_keys
+        requested = self.config.state_keys
+        if requested is None:
+            return declared
+        unknown = [key for key in requested if key not in declared]
+        if unknown:
+            raise ValueError(
+                f"Unknown state_keys {unknown} for {type(self.optimizer).__name__}; swappable keys are {list(declared)}"
+            )
+        return requested
+
+    def _new_store(self, swap_keys: tuple[str, ...]) -> StateStore:
+        assert self.backend is not None and self._scheduler is not None
+        return StateStore(
+            self.backend,
+            self.state,
+            swap_keys=swap_keys,
+            min_numel=self.config.min_numel,
+            offload_fraction=self.config.offload_fraction,
+            packed=self.config.packed,
+            copy_stream=self._scheduler.d2h,
+        )
+
+    def _offload_existing_states(self) -> None:
+        """States created before wrapping (e.g. loaded into the plain optimizer) move to host memory now."""
+        assert self._store is not None
+        new: list[tuple[SwapSlot, StateSource]] = []
+        for param in self._ordered_params():
+            for key, value in self.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and self._store.should_swap(key, value):
+                    new.append((SwapSlot(param, key, value.shape, value.dtype), value))
+        self._store.add(new, self._ordered_params())
+
+
+def _group_params(param_group: Mapping[str, Any]) -> list[torch.Tensor]:
+    params = param_group.get("params", [])
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return list(params)

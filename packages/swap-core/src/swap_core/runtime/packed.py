@@ -1,0 +1,105 @@
+"""Packed memory: one host buffer per dtype, two device staging arenas.
+
+Host side, every swapped state of a dtype lives in one persistent pinned buffer,
+laid out in batch order, so a batch is one contiguous range per dtype and moves
+with a single copy. Device side, two arenas alternate between batches: while
+batch ``i`` is updated in one, batch ``i + 1`` streams into the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from ..backends.protocol import DeviceBackend
+from .slots import SwapSlot
+
+__all__ = ["ARENA_ALIGN_BYTES", "SLOT_ALIGN_BYTES", "PackedHost", "StagingArenas", "align_up"]
+
+SLOT_ALIGN_BYTES = 64
+"""Alignment of each state inside a packed buffer (keeps vectorized kernels on their fast path)."""
+
+ARENA_ALIGN_BYTES = 512
+"""Alignment of each dtype region inside a staging arena."""
+
+
+def align_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+class PackedHost:
+    """Per-dtype host buffers holding swapped states at fixed element offsets."""
+
+    def __init__(self, backend: DeviceBackend, slots: Sequence[SwapSlot]) -> None:
+        self.offsets: dict[SwapSlot, int] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for slot in slots:
+            align = SLOT_ALIGN_BYTES // slot.dtype.itemsize
+            start = align_up(sizes.get(slot.dtype, 0), align)
+            self.offsets[slot] = start
+            sizes[slot.dtype] = start + slot.numel
+        self.buffers = {dtype: backend.empty_host(numel, dtype) for dtype, numel in sizes.items()}
+
+    def view(self, slot: SwapSlot) -> torch.Tensor:
+        """The slot's host mirror: a shaped view into its dtype's buffer."""
+        start = self.offsets[slot]
+        return self.buffers[slot.dtype][start : start + slot.numel].view(slot.shape)
+
+    def ranges(self, slots: Iterable[SwapSlot]) -> dict[torch.dtype, tuple[int, int]]:
+        """Element range per dtype covering ``slots`` (consecutive in the layout)."""
+        ranges: dict[torch.dtype, tuple[int, int]] = {}
+        for slot in slots:
+            start = self.offsets[slot]
+            stop = start + slot.numel
+            low, high = ranges.get(slot.dtype, (start, stop))
+            ranges[slot.dtype] = (min(low, start), max(high, stop))
+        return ranges
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
+
+
+class StagingArenas:
+    """Two device buffers (one for a single batch) whose storage lives only during a step.
+
+    The arena tensors and every view into them are created once; between steps
+    only their storage is released, so a step creates no Python views at all.
+    """
+
+    def __init__(self, backend: DeviceBackend, region_bytes: Mapping[torch.dtype, int], count: int) -> None:
+        self._backend = backend
+        self.region_offsets: dict[torch.dtype, int] = {}
+        total = 0
+        for dtype, nbytes in sorted(region_bytes.items(), key=lambda item: str(item[0])):
+            self.region_offsets[dtype] = total
+            total += align_up(nbytes, ARENA_ALIGN_BYTES)
+        self.nbytes = total
+        self.arenas = [backend.empty((total,), torch.uint8) for _ in range(count)]
+        self.regions: list[dict[torch.dtype, torch.Tensor]] = [
+            {
+                dtype: arena[offset : offset + align_up(region_bytes[dtype], dtype.itemsize)].view(dtype)
+                for dtype, offset in self.region_offsets.items()
+            }
+            for arena in self.arenas
+        ]
+        # Allocated until the plan has cut its views (views cannot be taken of released storage).
+        self.allocated = True
+
+    @property
+    def total_bytes(self) -> int:
+        """Device bytes held while allocated."""
+        return self.nbytes * len(self.arenas)
+
+    def acquire(self) -> None:
+        if not self.allocated:
+            for arena in self.arenas:
+                self._backend.restore_storage(arena)
+            self.allocated = True
+
+    def release(self) -> None:
+        if self.allocated:
+            for arena in self.arenas:
+                self._backend.release_storage(arena)
+            self.allocated = False

@@ -1,0 +1,197 @@
+"""The swap pipeline: prefetch batch ``i + 1`` while batch ``i`` updates, offload behind it.
+
+::
+
+    h2d      [b0][b1]     [b2]      ...
+    compute      [upd b0] [upd b1]  [upd b2]
+    d2h                   [b0]      [b1]     [b2]
+
+Every cross-stream dependency is an explicit event; the scheduler never blocks
+the host during a step. After a step the last offload may still be running:
+:meth:`PipelineScheduler.synchronize` waits for it before anyone reads host
+mirrors, and the next step's prefetch stream waits for it on the device.
+
+Packed mode stages batches alternately in two arenas, so batch ``i + 1`` may
+only be prefetched once batch ``i - 1``'s offload finished reading the arena it
+reuses. Per-tensor mode restores each state's own storage one batch ahead and
+releases it once its offload is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..backends.protocol import DeviceBackend, Event, Stream
+from ..errors import SwapStateError
+from ..stats import SwapStats
+from .plan import PlannedBatch, SwapPlan
+from .slots import SlotState, SwapSlot, transition
+
+__all__ = ["PipelineScheduler", "UpdateFn"]
+
+UpdateFn = Callable[[PlannedBatch], None]
+
+
+class PipelineScheduler:
+    """Runs one step's transfers and updates on the backend's streams."""
+
+    def __init__(self, backend: DeviceBackend, *, duplex: bool) -> None:
+        self.backend = backend
+        self.compute = backend.compute_stream()
+        self.h2d = backend.new_stream()
+        self.d2h = backend.new_stream() if duplex else self.h2d
+        self._last_offload: Event | None = None
+        self._offloaded: list[SwapSlot] = []
+        self._stranded: list[PlannedBatch] = []
+        self._stranded_plan: SwapPlan | None = None
+
+    def run(self, plan: SwapPlan, update: UpdateFn, stats: SwapStats, *, keep_staging: bool) -> None:
+        """One step: every batch prefetched, updated and offloaded, in order."""
+        self._settle()
+        packed = plan.arenas is not None
+        if plan.arenas is not None:
+            plan.arenas.acquire()
+        batches = plan.batches
+        prefetched: list[Event] = []
+        offloaded: list[Event] = []
+        with self._recover_on_error(plan):
+            prefetched.append(self._prefetch(batches[0], stats, packed=packed))
+            for index, batch in enumerate(batches):
+                if index + 1 < len(batches):
+                    if index >= 1:
+                        # Batch i + 1 takes the memory batch i - 1 used: its offload must be done with it.
+                        self._reclaim(batches[index - 1], offloaded[index - 1], packed=packed)
+                    prefetched.append(self._prefetch(batches[index + 1], stats, packed=packed))
+                self._update(batch, prefetched[index], update)
+                offloaded.append(self._offload(batch, stats))
+            self._last_offload = offloaded[-1]
+            if packed and not keep_staging:
+                self.backend.wait_event(self.compute, offloaded[-1])
+                assert plan.arenas is not None
+                plan.arenas.release()
+            if not packed:
+                for index in range(max(len(batches) - 2, 0), len(batches)):
+                    self._reclaim(batches[index], offloaded[index], packed=False)
+        stats.batches = len(batches)
+
+    def synchronize(self) -> None:
+        """Block until every offload finished, so host mirrors are authoritative."""
+        self._retry_stranded(final=True)
+        if self._last_offload is not None:
+            self._last_offload.synchronize()
+            self._last_offload = None
+        self._finish_offloads()
+
+    # -- the three moves ------------------------------------------------------
+    def _prefetch(self, batch: PlannedBatch, stats: SwapStats, *, packed: bool) -> Event:
+        with torch.profiler.record_function("swap::prefetch"):
+            if not packed:
+                for view in batch.device_views:
+                    self.backend.restore_storage(view)
+            # Fresh device memory belongs to the compute stream until the copy stream waits for it.
+            self._after_compute(self.h2d)
+            for host, device in batch.transfers:
+                self.backend.copy(device, host, stream=self.h2d)
+                stats.h2d_copies += 1
+                stats.h2d_bytes += host.numel() * host.element_size()
+            transition(batch.slots, SlotState.HOST, SlotState.H2D)
+            return self.backend.record_event(self.h2d)
+
+    def _update(self, batch: PlannedBatch, prefetched: Event, update: UpdateFn) -> None:
+        self.backend.wait_event(self.compute, prefetched)
+        transition(batch.slots, SlotState.H2D, SlotState.DEVICE)
+        with torch.profiler.record_function("swap::update"), self.backend.compute_scope():
+            update(batch)
+
+    def _offload(self, batch: PlannedBatch, stats: SwapStats) -> Event:
+        with torch.profiler.record_function("swap::offload"):
+            self._after_compute(self.d2h)
+            for host, device in batch.transfers:
+                self.backend.copy(host, device, stream=self.d2h)
+                stats.d2h_copies += 1
+                stats.d2h_bytes += host.numel() * host.element_size()
+            # Only once every copy is enqueued: a failed enqueue leaves the device copy authoritative.
+            transition(batch.slots, SlotState.DEVICE, SlotState.D2H)
+            self._offloaded.extend(batch.slots)
+            return self.backend.record_event(self.d2h)
+
+    def _reclaim(self, batch: PlannedBatch, offloaded: Event, *, packed: bool) -> None:
+        """Make memory used by ``batch`` reusable once its offload has read it."""
+        if packed:
+            self.backend.wait_event(self.h2d, offloaded)
+            return
+        self.backend.wait_event(self.compute, offloaded)
+        for view in batch.device_views:
+            self.backend.release_storage(view)
+
+    def _after_compute(self, stream: Stream) -> None:
+        self.backend.wait_event(stream, self.backend.record_event(self.compute))
+
+    # -- between steps --------------------------------------------------------
+    def _settle(self) -> None:
+        """Order this step's prefetches after the previous step's offloads."""
+        self._retry_stranded(final=True)
+        if self._last_offload is not None:
+            self.backend.wait_event(self.h2d, self._last_offload)
+            self._last_offload = None
+        self._finish_offloads()
+
+    def _finish_offloads(self) -> None:
+        transition(self._offloaded, SlotState.D2H, SlotState.HOST)
+        self._offloaded = []
+
+    # -- failure --------------------------------------------------------------
+    @contextlib.contextmanager
+    def _recover_on_error(self, plan: SwapPlan) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._recover(plan)
+            raise
+
+    def _recover(self, plan: SwapPlan) -> None:
+        """Drain every transfer and make each slot's host mirror authoritative again.
+
+        Slots on the device hold the only current values (their update may have
+        run, fully or partly): they are offloaded. Prefetched slots whose update
+        never started still have valid host mirrors and are dropped.
+        """
+        self._stranded = [b for b in plan.batches if b.slots and b.slots[0].state is SlotState.DEVICE]
+        self._stranded_plan = plan
+        self._retry_stranded(final=False)
+        for batch in plan.batches:
+            if batch.slots and batch.slots[0].state is SlotState.H2D:
+                transition(batch.slots, SlotState.H2D, SlotState.HOST)
+
+    def _retry_stranded(self, *, final: bool) -> None:
+        """Offload batches whose state is still only on the device, then free their staging memory."""
+        plan = self._stranded_plan
+        if plan is None:
+            return
+        for batch in list(self._stranded):
+            try:
+                self._offload(batch, SwapStats())
+            except Exception as error:
+                if final:
+                    raise SwapStateError(
+                        f"Could not move batch {batch.index} back to host memory; its state is still on the device "
+                        "and nothing is lost: call step() or synchronize() again to retry"
+                    ) from error
+                continue
+            self._stranded.remove(batch)
+        self.backend.synchronize()
+        self._last_offload = None
+        self._finish_offloads()
+        if self._stranded:
+            return  # their staging memory still holds the only copy
+        self._stranded_plan = None
+        if plan.arenas is not None:
+            plan.arenas.release()
+            return
+        for batch in plan.batches:
+            for view in batch.device_views:
+                if view.untyped_storage().nbytes() > 0:
+                    self.backend.release_storage(view)

@@ -1,0 +1,124 @@
+"""The batches one step walks, derived from the slots and cached until they change."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from ..backends.protocol import DeviceBackend
+from ..errors import SwapStateError
+from .packed import PackedHost, StagingArenas
+from .partition import partition_consecutive
+from .slots import SwapSlot
+from .store import StateStore
+
+__all__ = ["PlannedBatch", "SwapPlan", "build_plan"]
+
+
+@dataclasses.dataclass(eq=False)
+class PlannedBatch:
+    """Consecutive parameters whose swapped states move and update together."""
+
+    index: int
+    params: list[tuple[int, torch.Tensor]]
+    """``(group index, parameter)`` in param-group order."""
+    slots: list[SwapSlot]
+    nbytes: int
+    """Swapped state bytes of the batch (without packing padding)."""
+    transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
+    device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Each slot's device tensor during the update (a staging-arena view when packed)."""
+    state_views: dict[torch.Tensor, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """The same device tensors by parameter and state key, as the update sees them."""
+
+    @property
+    def arena_index(self) -> int:
+        return self.index % 2
+
+
+@dataclasses.dataclass(eq=False)
+class SwapPlan:
+    batches: list[PlannedBatch]
+    arenas: StagingArenas | None
+    version: int
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        """Device bytes of swapped state held at once during a step."""
+        if self.arenas is not None:
+            return self.arenas.total_bytes
+        sizes = [batch.nbytes for batch in self.batches]
+        return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+
+
+def build_plan(
+    store: StateStore,
+    backend: DeviceBackend,
+    params: Sequence[tuple[int, torch.Tensor]],
+    *,
+    num_batches: int,
+    max_batch_bytes: int | None,
+    costs: Sequence[int] | None,
+) -> SwapPlan:
+    """Partition ``params`` into batches and, in packed mode, lay out their staging views."""
+    slots_of = [list(store.slots.get(param, {}).values()) for _, param in params]
+    nbytes = [sum(slot.nbytes for slot in slots) for slots in slots_of]
+    if costs is None:
+        costs = nbytes
+    elif len(costs) != len(params):
+        raise ValueError(f"Adapter returned {len(costs)} partition costs for {len(params)} parameters")
+    if sum(nbytes) == 0:
+        num_batches = 1
+    ranges = partition_consecutive(costs, num_batches=num_batches, max_batch_cost=max_batch_bytes)
+    batches = [
+        PlannedBatch(
+            index=index,
+            params=list(params[span.start : span.stop]),
+            slots=[slot for slots in slots_of[span.start : span.stop] for slot in slots],
+            nbytes=sum(nbytes[span.start : span.stop]),
+        )
+        for index, span in enumerate(ranges)
+    ]
+    arenas = None
+    if store.packed_host is not None and sum(nbytes) > 0:
+        arenas = _stage(store.packed_host, backend, batches)
+    else:
+        for batch in batches:
+            batch.device_views = [_device_tensor(slot) for slot in batch.slots]
+            batch.transfers = [
+                (slot.host_mirror, view) for slot, view in zip(batch.slots, batch.device_views, strict=True)
+            ]
+    for batch in batches:
+        for slot, view in zip(batch.slots, batch.device_views, strict=True):
+            batch.state_views.setdefault(slot.param, {})[slot.key] = view
+    return SwapPlan(batches=batches, arenas=arenas, version=store.version)
+
+
+def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatch]) -> StagingArenas:
+    ranges = [packed.ranges(batch.slots) for batch in batches]
+    region_bytes: dict[torch.dtype, int] = {}
+    for batch_ranges in ranges:
+        for dtype, (start, stop) in batch_ranges.items():
+            region_bytes[dtype] = max(region_bytes.get(dtype, 0), (stop - start) * dtype.itemsize)
+    arenas = StagingArenas(backend, region_bytes, count=min(2, len(batches)))
+    for batch, batch_ranges in zip(batches, ranges, strict=True):
+        regions = arenas.regions[batch.arena_index]
+        batch.transfers = [
+            (packed.buffers[dtype][start:stop], regions[dtype][: stop - start])
+            for dtype, (start, stop) in batch_ranges.items()
+        ]
+        for slot in batch.slots:
+            start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
+            batch.device_views.append(regions[slot.dtype][start : start + slot.numel].view(slot.shape))
+    arenas.release()
+    return arenas
+
+
+def _device_tensor(slot: SwapSlot) -> torch.Tensor:
+    if slot.device is None:
+        raise SwapStateError(f"{slot!r} has no device tensor")
+    return slot.device

@@ -1,0 +1,92 @@
+"""One swapped optimizer state tensor and the single place its location changes.
+
+A slot's life::
+
+    pending -> device <-> d2h -> host <-> h2d -> device
+
+``pending``: known, not yet materialized. ``device``: the device copy is
+authoritative. ``d2h``: an offload copy is enqueued. ``host``: the host mirror is
+authoritative. ``h2d``: a prefetch copy is enqueued. A slot born in host memory
+(a fresh zero state) goes ``pending -> host`` directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import torch
+
+from ..errors import SwapStateError
+
+__all__ = ["SlotState", "SwapSlot", "is_swappable", "transition"]
+
+
+class SlotState(enum.Enum):
+    PENDING = "pending"
+    DEVICE = "device"
+    D2H = "d2h"
+    HOST = "host"
+    H2D = "h2d"
+
+
+_ALLOWED: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.PENDING: frozenset({SlotState.DEVICE, SlotState.HOST}),
+    SlotState.DEVICE: frozenset({SlotState.D2H}),
+    # d2h -> device: the offload copy could not be enqueued; the device copy stays authoritative.
+    SlotState.D2H: frozenset({SlotState.HOST, SlotState.DEVICE}),
+    SlotState.HOST: frozenset({SlotState.H2D}),
+    # h2d -> host: a prefetched batch was abandoned before its update; the host mirror never changed.
+    SlotState.H2D: frozenset({SlotState.DEVICE, SlotState.HOST}),
+}
+
+
+class SwapSlot:
+    """A swapped state tensor: its host mirror and, while in flight, its device copy."""
+
+    __slots__ = ("device", "dtype", "host", "key", "nbytes", "numel", "param", "shape", "state")
+
+    def __init__(self, param: torch.Tensor, key: str, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.param = param
+        self.key = key
+        self.shape = shape
+        self.dtype = dtype
+        self.numel = shape.numel()
+        self.nbytes = self.numel * dtype.itemsize
+        self.host: torch.Tensor | None = None
+        self.device: torch.Tensor | None = None
+        self.state = SlotState.PENDING
+
+    def __repr__(self) -> str:
+        return f"SwapSlot(key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype}, state={self.state.value})"
+
+    @property
+    def host_mirror(self) -> torch.Tensor:
+        """The host tensor that is authoritative between steps."""
+        if self.host is None:
+            raise SwapStateError(f"{self!r} has no host mirror yet")
+        return self.host
+
+
+def transition(slots: Iterable[SwapSlot], source: SlotState, target: SlotState) -> None:
+    """Move every slot from ``source`` to ``target``; any other starting state is a runtime bug."""
+    if target not in _ALLOWED[source]:
+        raise SwapStateError(f"Illegal slot transition {source.value} -> {target.value}")
+    for slot in slots:
+        if slot.state is not source:
+            raise SwapStateError(f"{slot!r} expected in state {source.value!r} for -> {target.value}")
+        slot.state = target
+
+
+def is_swappable(tensor: torch.Tensor, *, min_numel: int) -> bool:
+    """Whether a state tensor can live in host memory between steps.
+
+    It must be floating point, dense, contiguous, own its whole storage (so
+    releasing or replacing it frees exactly its bytes) and be large enough that
+    moving it pays off.
+    """
+    if not tensor.is_floating_point() or tensor.layout is not torch.strided:
+        return False
+    if not tensor.is_contiguous() or tensor.numel() < max(min_numel, 1):
+        return False
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

@@ -1,0 +1,183 @@
+"""Where every optimizer state lives: host mirrors of swapped states, resident device tensors.
+
+The store decides, once per state, whether it is swapped (and keeps its slot) or
+stays resident, and owns the host memory of swapped states: one packed buffer
+per dtype in packed mode, one pinned buffer per state otherwise. Between steps
+``optimizer.state[p][key]`` *is* the host mirror of a swapped state, so
+``state_dict()`` exports it without copying and without touching the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..adapters.base import StateInit
+from ..backends.protocol import DeviceBackend, Stream
+from .packed import PackedHost
+from .slots import SlotState, SwapSlot, is_swappable, transition
+
+__all__ = ["StateSource", "StateStore"]
+
+StateSource = float | torch.Tensor
+"""Initial content of a new host mirror: a fill value or a tensor (on the device or the host)."""
+
+
+class StateStore:
+    """Swapped-state slots of every parameter and the host memory behind them."""
+
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        state: Mapping[torch.Tensor, dict[str, Any]],
+        *,
+        swap_keys: Sequence[str],
+        min_numel: int,
+        offload_fraction: float,
+        packed: bool,
+        copy_stream: Stream,
+    ) -> None:
+        self._backend = backend
+        self._state = state
+        self._swap_keys = frozenset(swap_keys)
+        self._min_numel = min_numel
+        self._offload_fraction = offload_fraction
+        self._packed = packed
+        self._copy_stream = copy_stream
+        self.slots: dict[torch.Tensor, dict[str, SwapSlot]] = {}
+        self.packed_host: PackedHost | None = None
+        self._swapped_bytes = 0
+        self._candidate_bytes = 0
+        self.version = 0
+        """Bumped whenever the set of slots or their host layout changes (plans are rebuilt)."""
+
+    def attach(self, state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """Write host mirrors into ``state`` from now on (used to stage a load, then commit it)."""
+        self._state = state
+
+    # -- deciding -------------------------------------------------------------
+    def should_swap(self, key: str, template: torch.Tensor | StateInit) -> bool:
+        """Whether a new state goes to host memory; books it against ``offload_fraction``."""
+        if key not in self._swap_keys:
+            return False
+        if isinstance(template, StateInit):
+            floating = template.dtype.is_floating_point
+            eligible = floating and _numel(template.shape) >= max(self._min_numel, 1)
+            nbytes = _numel(template.shape) * template.dtype.itemsize
+        else:
+            eligible = is_swappable(_local(template), min_numel=self._min_numel)
+            nbytes = template.numel() * template.element_size()
+        if not eligible:
+            return False
+        self._candidate_bytes += nbytes
+        if self._swapped_bytes + nbytes > self._offload_fraction * self._candidate_bytes:
+            return False
+        self._swapped_bytes += nbytes
+        return True
+
+    def resident_value(self, template: StateInit) -> torch.Tensor:
+        """A resident device tensor for a fresh state that is not swapped."""
+        tensor = self._backend.empty(template.shape, template.dtype)
+        tensor.fill_(template.fill)
+        return tensor
+
+    # -- creating -------------------------------------------------------------
+    def add(self, new: Sequence[tuple[SwapSlot, StateSource]], order: Sequence[torch.Tensor]) -> None:
+        """Give new slots host mirrors filled from their sources; ``order`` is the parameter order."""
+        if not new:
+            return
+        for slot, _ in new:
+            self.slots.setdefault(slot.param, {})[slot.key] = slot
+        # Device sources were written on the compute stream; the copy stream must see those writes.
+        self._backend.wait_event(self._copy_stream, self._backend.record_event(self._backend.compute_stream()))
+        if self._packed:
+            self._relayout(order, dict((slot, source) for slot, source in new))
+        else:
+            for slot, source in new:
+                slot.host = self._backend.empty_host(slot.numel, slot.dtype).view(slot.shape)
+                slot.device = self._backend.empty(slot.shape, slot.dtype)
+                self._backend.release_storage(slot.device)
+                self._fill(slot.host, source)
+                self._state[slot.param][slot.key] = slot.host
+        self._finish_fills()
+        transition((slot for slot, _ in new), SlotState.PENDING, SlotState.HOST)
+        self.version += 1
+
+    def reorder(self, order: Sequence[torch.Tensor]) -> None:
+        """Re-pack host buffers so that slots follow ``order`` (after param groups changed)."""
+        kept = set(order)
+        for param in [param for param in self.slots if param not in kept]:
+            for slot in self.slots.pop(param).values():
+                self._swapped_bytes -= slot.nbytes
+                self._candidate_bytes -= slot.nbytes
+        if self._packed:
+            self._relayout(order, {})
+            self._finish_fills()
+        self.version += 1
+
+    def rekey(self, new_to_old: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        """Move slots from old parameter objects to the new ones replacing them."""
+        for new, old in new_to_old.items():
+            slots = self.slots.pop(old, None)
+            if slots is None:
+                continue
+            for slot in slots.values():
+                slot.param = new
+            self.slots[new] = slots
+        self.version += 1
+
+    def ordered_slots(self, order: Iterable[torch.Tensor]) -> list[SwapSlot]:
+        return [slot for param in order for slot in self.slots.get(param, {}).values()]
+
+    def _relayout(self, order: Sequence[torch.Tensor], sources: dict[SwapSlot, StateSource]) -> None:
+        slots = self.ordered_slots(order)
+        packed = PackedHost(self._backend, slots)
+        for slot in slots:
+            view = packed.view(slot)
+            source = sources.get(slot, slot.host_mirror)
+            self._fill(view, source)
+            slot.host = view
+            self._state[slot.param][slot.key] = view
+        self.packed_host = packed
+
+    def _fill(self, host: torch.Tensor, source: StateSource) -> None:
+        if isinstance(source, float):
+            host.fill_(source)
+        elif self._backend.owns(source):
+            self._backend.copy(host, _local(source), stream=self._copy_stream)
+        else:
+            host.copy_(source)
+
+    def _finish_fills(self) -> None:
+        self._backend.synchronize()
+
+    # -- reporting ------------------------------------------------------------
+    @property
+    def host_bytes(self) -> int:
+        if self.packed_host is not None:
+            return self.packed_host.nbytes
+        return sum(slot.nbytes for slots in self.slots.values() for slot in slots.values())
+
+    def resident_bytes(self, params: Iterable[torch.Tensor]) -> int:
+        """Device bytes of state tensors of ``params`` that are not swapped."""
+        total = 0
+        for param in params:
+            swapped = self.slots.get(param, {})
+            for key, value in self._state.get(param, {}).items():
+                # Scalars (step counters) are not state memory worth reporting; on the simulator they look resident.
+                resident = key not in swapped and isinstance(value, torch.Tensor) and value.dim() > 0
+                if resident and self._backend.owns(value):
+                    total += value.numel() * value.element_size()
+        return total
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return torch.Size(shape).numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

@@ -1,0 +1,119 @@
+"""Staging a loaded optimizer state dict into host memory, checked before anything changes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .adapters.base import StateInit
+from .errors import StateDictMismatchError
+from .runtime.slots import SwapSlot
+from .runtime.store import StateSource, StateStore
+
+if TYPE_CHECKING:
+    from .optimizer import SwapOptimizer
+
+__all__ = ["load_swapped_state"]
+
+StagedState = defaultdict[torch.Tensor, dict[str, Any]]
+
+
+def load_swapped_state(
+    optimizer: SwapOptimizer, store: StateStore, state_dict: Mapping[str, Any], order: Sequence[torch.Tensor]
+) -> tuple[list[dict[str, Any]], StagedState]:
+    """New param groups and state for ``optimizer``; swapped states are written into ``store``'s host memory.
+
+    Nothing of the live optimizer is modified: the caller commits the result.
+    """
+    if "state" not in state_dict or "param_groups" not in state_dict:
+        raise StateDictMismatchError(
+            f"Not an optimizer state dict: expected keys 'state' and 'param_groups', got {sorted(state_dict)}"
+        )
+    groups = optimizer.param_groups
+    saved_groups = state_dict["param_groups"]
+    _check_group_sizes(groups, saved_groups)
+    id_map: dict[object, tuple[torch.Tensor, dict[str, Any]]] = {}
+    for group, saved in zip(groups, saved_groups, strict=True):
+        for saved_id, param in zip(saved["params"], group["params"], strict=True):
+            id_map[saved_id] = (param, group)
+    staged: StagedState = defaultdict(dict)
+    store.attach(staged)
+    new: list[tuple[SwapSlot, StateSource]] = []
+    for saved_id, saved_state in state_dict["state"].items():
+        if saved_id not in id_map:
+            raise StateDictMismatchError(
+                f"Loaded state dict has state for parameter id {saved_id!r}, which none of its param groups lists"
+            )
+        param, group = id_map[saved_id]
+        expected = optimizer.adapter.initial_state(param, group)
+        for key, value in saved_state.items():
+            staged[param][key] = _stage_value(store, new, param, group, key, value, expected.get(key), saved_id)
+    store.add(new, order)
+    new_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
+    return new_groups, staged
+
+
+def _check_group_sizes(groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Mapping[str, Any]]) -> None:
+    if len(groups) != len(saved_groups):
+        raise StateDictMismatchError(
+            f"Loaded state dict has {len(saved_groups)} parameter groups, the optimizer has {len(groups)}"
+        )
+    for index, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
+        if len(group["params"]) != len(saved["params"]):
+            raise StateDictMismatchError(
+                f"Parameter group {index} of the loaded state dict has {len(saved['params'])} parameters, "
+                f"the optimizer's has {len(group['params'])}"
+            )
+
+
+def _stage_value(
+    store: StateStore,
+    new: list[tuple[SwapSlot, StateSource]],
+    param: torch.Tensor,
+    group: Mapping[str, Any],
+    key: str,
+    value: Any,
+    expected: torch.Tensor | StateInit | None,
+    saved_id: object,
+) -> Any:
+    if isinstance(value, dict):
+        return {k: _cast_like_torch(param, v, k, group) for k, v in value.items()}
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(expected, StateInit) and tuple(value.shape) != expected.shape:
+        raise StateDictMismatchError(
+            f"State {key!r} of parameter {saved_id!r} has shape {tuple(value.shape)}, "
+            f"but the parameter needs {expected.shape}"
+        )
+    if key != "step" and param.is_floating_point():
+        template = StateInit(tuple(value.shape), param.dtype)
+        if store.should_swap(key, template):
+            host_value = value.to(dtype=param.dtype)
+            slot = SwapSlot(param, key, torch.Size(value.shape), param.dtype)
+            new.append((slot, host_value))
+            return template
+    return _cast_like_torch(param, value, key, group)
+
+
+def _cast_like_torch(param: torch.Tensor, value: Any, key: str, group: Mapping[str, Any]) -> Any:
+    """``torch.optim.Optimizer.load_state_dict``'s casting rule for one state value."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        if group.get("capturable", False) or group.get("fused", False):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
+
+
+def _updated_group(group: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+    updated = dict(saved)
+    updated["params"] = group["params"]
+    if "param_names" in group and "param_names" not in saved:
+        updated["param_names"] = group["param_names"]
+    return updated

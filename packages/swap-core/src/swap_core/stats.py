@@ -1,0 +1,36 @@
+"""What one swapped ``step()`` moved and held."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["SwapStats"]
+
+
+@dataclasses.dataclass
+class SwapStats:
+    """Counters of the last ``step()``, exposed as ``opt.stats``."""
+
+    h2d_bytes: int = 0
+    """Bytes copied host to device (packed mode includes alignment padding between states)."""
+
+    d2h_bytes: int = 0
+    """Bytes copied device to host."""
+
+    h2d_copies: int = 0
+    """Host-to-device copy calls."""
+
+    d2h_copies: int = 0
+    """Device-to-host copy calls."""
+
+    batches: int = 0
+    """Pipeline batches the swapped states were split into."""
+
+    peak_state_device_bytes: int = 0
+    """Most device bytes held at once by swapped state (staging arenas or restored storages) and resident state."""
+
+    resident_state_device_bytes: int = 0
+    """Device bytes of optimizer state kept resident (not swapped) between steps."""
+
+    step_seconds: float = 0.0
+    """Host wall time of ``step()`` (asynchronous device work may still be running when it returns)."""

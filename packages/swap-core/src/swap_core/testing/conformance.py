@@ -1,0 +1,440 @@
+"""The conformance suite every adapter passes: parity, accounting, checkpoints, faults.
+
+Per-family quirks are data (:class:`ConformanceCase` rows), not copied test
+code. A family package's test module is three lines::
+
+    from swap_core.testing.conformance import ConformanceCase, make_conformance_tests
+    CASES = [ConformanceCase("adamw", lambda groups: torch.optim.AdamW(groups, lr=1e-2))]
+    globals().update(make_conformance_tests(CASES))
+
+Each check builds two identical parameter sets, drives the unwrapped optimizer
+and the swapped one with the same gradients, and compares them bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..adapters.base import UpdateBatch
+from ..backends.protocol import DeviceBackend
+from ..config import SwapConfig
+from ..optimizer import SwapOptimizer
+from ..runtime.packed import ARENA_ALIGN_BYTES, SLOT_ALIGN_BYTES, align_up
+from ..wrap import swap_optimizer
+from .compare import assert_bitwise_equal, assert_state_dicts_equal
+
+__all__ = [
+    "SIM_MODES",
+    "ConformanceCase",
+    "FaultPoint",
+    "check_accounting",
+    "check_checkpoint_round_trip",
+    "check_fault",
+    "check_parity",
+    "fault_points",
+    "make_conformance_tests",
+]
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+BackendFactory = Callable[..., DeviceBackend]
+
+SIM_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("sync", 0), *(("random", seed) for seed in range(20)))
+"""Simulator schedules every parity check runs under: lazy, sync and 20 random seeds."""
+
+OPTION_VARIANTS: tuple[dict[str, Any], ...] = (
+    {"keep_staging": True},
+    {"keep_staging": True, "packed": False},
+    {"offload_fraction": 0.5},
+    {"offload_fraction": 0.0},
+    {"swap_times": 1},
+    {"swap_times": 8, "duplex": False},
+    {"max_batch_bytes": 4096, "swap_times": 1},
+    {"min_numel": 0, "swap_times": 5},
+    {"state_keys": ()},
+)
+"""SwapConfig variants each checked for parity under :data:`OPTION_MODES`."""
+
+OPTION_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("sync", 0), ("random", 1), ("random", 2))
+
+DEFAULT_SHAPES: tuple[tuple[int, ...], ...] = ((48, 40), (40,), (32, 33), (16,), (24, 50), (3, 5), (64, 20))
+
+
+class InjectedUpdateFault(RuntimeError):
+    """Raised by the conformance suite inside an adapter update to test recovery."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConformanceCase:
+    """One optimizer configuration that must behave, swapped, exactly as unwrapped."""
+
+    name: str
+    make_optimizer: OptimizerFactory
+    """Builds the plain optimizer from param groups (dicts with ``"params"`` and ``group_options``)."""
+    shapes: tuple[tuple[int, ...], ...] = DEFAULT_SHAPES
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    """Cycled over the parameters (several dtypes give several packed regions)."""
+    group_options: tuple[Mapping[str, Any], ...] = ({},)
+    """One entry per param group; parameters are split into consecutive groups."""
+    steps: int = 10
+    skip_grad_every: int = 4
+    """Every this many steps the first parameter gets no gradient (0: never)."""
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """``SwapConfig`` overrides (``min_numel`` defaults to 64 so that small states stay resident)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPoint:
+    """Where a step is made to fail: an adapter update, or the n-th copy of a direction."""
+
+    kind: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.index}"
+
+
+# -- building blocks ---------------------------------------------------------
+def make_params(case: ConformanceCase, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    params: list[torch.Tensor] = []
+    for index, shape in enumerate(case.shapes):
+        dtype = case.dtypes[index % len(case.dtypes)]
+        values = torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
+        params.append(torch.nn.Parameter(values.to(device)))
+    return params
+
+
+def make_groups(case: ConformanceCase, params: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    count = len(case.group_options)
+    size = -(-len(params) // count)
+    return [
+        {"params": list(params[index * size : (index + 1) * size]), **options}
+        for index, options in enumerate(case.group_options)
+    ]
+
+
+def set_grads(case: ConformanceCase, params: Sequence[torch.Tensor], step: int, seed: int = 0) -> None:
+    """Deterministic gradients for ``step``; the same call gives the same values for any copy of the params."""
+    generator = torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
+    for index, param in enumerate(params):
+        grad = torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.dtype)
+        skip = case.skip_grad_every and index == 0 and step % case.skip_grad_every == case.skip_grad_every - 1
+        param.grad = None if skip else grad.to(param.device)
+
+
+def swap_config(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> SwapConfig:
+    options: dict[str, Any] = {"min_numel": 64, "swap_times": 3}
+    options.update(case.config)
+    options.update(overrides)
+    return SwapConfig(backend=backend, **options)
+
+
+@dataclasses.dataclass
+class Pair:
+    """The unwrapped reference optimizer and the swapped one, on separate identical parameters."""
+
+    case: ConformanceCase
+    reference_params: list[torch.Tensor]
+    reference: torch.optim.Optimizer
+    swapped_params: list[torch.Tensor]
+    swapped: SwapOptimizer
+    steps_taken: int = 0
+
+    def step_both(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.step_reference()
+            self.step_swapped()
+            self.steps_taken += 1
+
+    def step_reference(self) -> None:
+        set_grads(self.case, self.reference_params, self.steps_taken)
+        self.reference.step()
+
+    def step_swapped(self) -> None:
+        set_grads(self.case, self.swapped_params, self.steps_taken)
+        self.swapped.step()
+
+    def assert_params_equal(self, context: str) -> None:
+        for index, (expected, actual) in enumerate(zip(self.reference_params, self.swapped_params, strict=True)):
+            assert_bitwise_equal(expected, actual, f"{context}: parameter {index}")
+
+    def assert_equal(self, context: str) -> None:
+        self.assert_params_equal(context)
+        assert_state_dicts_equal(self.reference.state_dict(), self.swapped.state_dict(), context)
+
+
+def make_pair(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> Pair:
+    reference_params = make_params(case, backend.device)
+    swapped_params = make_params(case, backend.device)
+    reference = case.make_optimizer(make_groups(case, reference_params))
+    plain = case.make_optimizer(make_groups(case, swapped_params))
+    swapped = swap_optimizer(plain, swap_config(case, backend, **overrides))
+    return Pair(case, reference_params, reference, swapped_params, swapped)
+
+
+# -- checks ------------------------------------------------------------------
+def check_parity(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
+    """Bitwise parity with the unwrapped optimizer after every step, and no race on the simulator."""
+    pair = make_pair(case, backend, **overrides)
+    for step in range(case.steps):
+        pair.step_both()
+        # Parameters only: state_dict() synchronizes, which would hide a missing wait between steps.
+        pair.assert_params_equal(f"{case.name} step {step}")
+    pair.assert_equal(f"{case.name} after {case.steps} steps")
+    races = getattr(backend, "races", [])
+    assert not races, f"{case.name}: the simulator reported races: {races}"
+
+
+def check_accounting(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
+    """Exact device bytes and copy counts of a step, measured by the simulator."""
+    pair = make_pair(case, backend, **overrides)
+    pair.step_both()  # the first step creates the states
+    packed = pair.swapped.config.packed
+    batches = pair.swapped._current_plan().batches
+    for _ in range(2):
+        backend.reset_copy_stats()  # type: ignore[attr-defined]
+        before = backend.memory_allocated()
+        backend.reset_peak_memory_stats()
+        pair.step_both()
+        backend.synchronize()
+        stats = pair.swapped.stats
+        peak = backend.max_memory_allocated() - before
+        expected_copies = sum(_copies_per_batch(batch.slots, packed) for batch in batches)
+        copies = backend.copy_stats  # type: ignore[attr-defined]
+        assert copies.h2d_copies == copies.d2h_copies == expected_copies == stats.h2d_copies == stats.d2h_copies, (
+            f"{case.name}: expected {expected_copies} copies each way, simulator saw {copies}, stats say {stats}"
+        )
+        assert copies.h2d_bytes == stats.h2d_bytes == copies.d2h_bytes == stats.d2h_bytes
+        assert peak == stats.peak_state_device_bytes - stats.resident_state_device_bytes, (
+            f"{case.name}: simulator peak {peak} B, stats claim {stats.peak_state_device_bytes} B"
+        )
+        assert peak <= _staging_bound(batches, packed), f"{case.name}: peak {peak} B over the bound"
+        if not pair.swapped.config.keep_staging:
+            assert backend.memory_allocated() == before, f"{case.name}: device bytes leaked by a step"
+        assert stats.batches == len(batches)
+    pair.assert_equal(f"{case.name} after accounting steps")
+
+
+def check_checkpoint_round_trip(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
+    """Swapped -> plain and plain -> swapped through ``torch.save``/``torch.load(weights_only=True)``."""
+    pair = make_pair(case, backend, **overrides)
+    pair.step_both(3)
+    # swapped checkpoint -> fresh plain optimizer
+    restored_plain = case.make_optimizer(make_groups(case, pair.reference_params))
+    restored_plain.load_state_dict(_through_bytes(pair.swapped.state_dict()))
+    pair.reference = restored_plain
+    pair.step_both(2)
+    pair.assert_equal(f"{case.name} swapped -> plain")
+    # plain checkpoint -> fresh swapped optimizer
+    fresh = case.make_optimizer(make_groups(case, pair.swapped_params))
+    restored_swapped = swap_optimizer(fresh, swap_config(case, backend, **overrides))
+    restored_swapped.load_state_dict(_through_bytes(pair.reference.state_dict()))
+    pair.swapped = restored_swapped
+    pair.step_both(2)
+    pair.assert_equal(f"{case.name} plain -> swapped")
+
+
+def fault_points(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> list[FaultPoint]:
+    """Every batch update and every copy call of one step of ``case``."""
+    pair = make_pair(case, backend, **overrides)
+    pair.step_both()
+    batches = len(pair.swapped._current_plan().batches)
+    backend.reset_copy_stats()  # type: ignore[attr-defined]
+    pair.step_both()
+    copies = backend.copy_stats  # type: ignore[attr-defined]
+    return [
+        *(FaultPoint("update", index) for index in range(batches)),
+        *(FaultPoint("h2d", index) for index in range(copies.h2d_copies)),
+        *(FaultPoint("d2h", index) for index in range(copies.d2h_copies)),
+    ]
+
+
+def check_fault(case: ConformanceCase, backend: DeviceBackend, point: FaultPoint, **overrides: Any) -> None:
+    """A step failing at ``point`` loses nothing, leaks nothing, and the next steps are exact."""
+    pair = make_pair(case, backend, **overrides)
+    pair.step_both(2)
+    pair.swapped.synchronize()
+    baseline = backend.memory_allocated()
+    before = _snapshot(pair.swapped)
+    with _armed(pair.swapped, backend, point):
+        try:
+            pair.step_swapped()
+        except (InjectedUpdateFault, RuntimeError):
+            pass
+        else:
+            raise AssertionError(f"{case.name}: the fault at {point} was not raised")
+    pair.swapped.synchronize()
+    assert backend.memory_allocated() == baseline, f"{case.name}: device bytes leaked after a fault at {point}"
+    pair.step_reference()
+    after = _snapshot(pair.swapped)
+    _assert_each_param_consistent(pair, before, after, point)
+    # Continue from whatever the failed step left: a plain optimizer loaded with it must agree.
+    reference = case.make_optimizer(make_groups(case, pair.reference_params))
+    for mine, theirs in zip(pair.reference_params, pair.swapped_params, strict=True):
+        mine.data.copy_(theirs.data)
+    reference.load_state_dict(_through_bytes(pair.swapped.state_dict()))
+    pair.reference = reference
+    pair.steps_taken += 1
+    pair.step_both(3)
+    pair.assert_equal(f"{case.name} after a fault at {point}")
+
+
+# -- pytest glue ---------------------------------------------------------------
+def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callable[..., None]]:
+    """Parametrized pytest functions running every check over ``cases``; update a test module's globals."""
+    import pytest
+
+    case_param = pytest.mark.parametrize("case", cases, ids=str)
+    layouts = pytest.mark.parametrize(
+        "packed,duplex", [(True, True), (True, False), (False, True), (False, False)], ids=_layout_id
+    )
+
+    @case_param
+    @layouts
+    @pytest.mark.parametrize("mode,seed", SIM_MODES, ids=[f"{m}{s}" for m, s in SIM_MODES])
+    def test_conformance_parity(
+        case: ConformanceCase, packed: bool, duplex: bool, mode: str, seed: int, swap_backend_factory: BackendFactory
+    ) -> None:
+        check_parity(case, swap_backend_factory(mode=mode, seed=seed), packed=packed, duplex=duplex)
+
+    @case_param
+    @pytest.mark.parametrize("options", OPTION_VARIANTS, ids=_options_id)
+    @pytest.mark.parametrize("mode,seed", OPTION_MODES, ids=[f"{m}{s}" for m, s in OPTION_MODES])
+    def test_conformance_options(
+        case: ConformanceCase, options: dict[str, Any], mode: str, seed: int, swap_backend_factory: BackendFactory
+    ) -> None:
+        check_parity(case, swap_backend_factory(mode=mode, seed=seed), **options)
+
+    @case_param
+    @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+    @pytest.mark.parametrize("swap_times", [1, 3, 8])
+    @pytest.mark.sim_only
+    def test_conformance_accounting(
+        case: ConformanceCase, packed: bool, swap_times: int, swap_backend_factory: BackendFactory
+    ) -> None:
+        check_accounting(case, swap_backend_factory(mode="lazy"), packed=packed, swap_times=swap_times)
+
+    @case_param
+    @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+    def test_conformance_checkpoint(case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory) -> None:
+        check_checkpoint_round_trip(case, swap_backend_factory(mode="random", seed=7), packed=packed)
+
+    @case_param
+    @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+    @pytest.mark.sim_only
+    def test_conformance_faults(case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory) -> None:
+        points = fault_points(case, swap_backend_factory(mode="lazy"), packed=packed)
+        assert points, f"{case.name}: no fault points found"
+        for point in points:
+            check_fault(case, swap_backend_factory(mode="lazy"), point, packed=packed)
+
+    return {
+        "test_conformance_parity": test_conformance_parity,
+        "test_conformance_options": test_conformance_options,
+        "test_conformance_accounting": test_conformance_accounting,
+        "test_conformance_checkpoint": test_conformance_checkpoint,
+        "test_conformance_faults": test_conformance_faults,
+    }
+
+
+# -- helpers -----------------------------------------------------------------------
+def _options_id(options: Mapping[str, Any]) -> str:
+    return "-".join(f"{key}={value}" for key, value in options.items())
+
+
+def _layout_id(value: object) -> str:
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+
+
+def _copies_per_batch(slots: Sequence[Any], packed: bool) -> int:
+    return len({slot.dtype for slot in slots}) if packed else len(slots)
+
+
+def _staging_bound(batches: Sequence[Any], packed: bool) -> int:
+    """Two batches of swapped state, per dtype, each state 64-byte aligned, each region 512-byte aligned."""
+    per_dtype: dict[torch.dtype, int] = {}
+    sizes: list[int] = []
+    for batch in batches:
+        by_dtype: dict[torch.dtype, int] = {}
+        for slot in batch.slots:
+            by_dtype[slot.dtype] = by_dtype.get(slot.dtype, 0) + align_up(slot.nbytes, SLOT_ALIGN_BYTES)
+        for dtype, nbytes in by_dtype.items():
+            per_dtype[dtype] = max(per_dtype.get(dtype, 0), nbytes)
+        sizes.append(sum(slot.nbytes for slot in batch.slots))
+    if packed:
+        return min(2, len(batches)) * sum(align_up(nbytes, ARENA_ALIGN_BYTES) for nbytes in per_dtype.values())
+    return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+
+
+def _through_bytes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded
+
+
+def _snapshot(optimizer: SwapOptimizer) -> dict[str, Any]:
+    params = [param.detach().clone() for group in optimizer.param_groups for param in group["params"]]
+    return {"params": params, "state": copy.deepcopy(optimizer.state_dict()["state"])}
+
+
+def _assert_each_param_consistent(pair: Pair, before: dict[str, Any], after: dict[str, Any], point: FaultPoint) -> None:
+    """Each parameter, with its state, is either untouched or exactly the reference's updated values."""
+    stepped = pair.reference.state_dict()["state"]
+    for index, param in enumerate(after["params"]):
+        updated = not _same_bytes(param, before["params"][index])
+        if updated:
+            assert_bitwise_equal(pair.reference_params[index], param, f"fault at {point}: parameter {index}")
+            expected_state = stepped.get(index, {})
+        else:
+            expected_state = before["state"].get(index, {})
+        actual_state = after["state"].get(index, {})
+        assert_state_dicts_equal(
+            {"state": {index: expected_state}, "param_groups": []},
+            {"state": {index: actual_state}, "param_groups": []},
+            f"fault at {point}: state of parameter {index} ({'updated' if updated else 'untouched'})",
+        )
+
+
+class _armed:
+    """Arms one fault for the duration of a block (an adapter exception or a simulator copy fault)."""
+
+    def __init__(self, optimizer: SwapOptimizer, backend: DeviceBackend, point: FaultPoint) -> None:
+        self.optimizer = optimizer
+        self.backend = backend
+        self.point = point
+
+    def __enter__(self) -> None:
+        if self.point.kind == "update":
+            adapter = self.optimizer.adapter
+            original = adapter.update
+            target = self.point.index
+
+            def failing_update(batch: UpdateBatch) -> None:
+                if batch.batch_index == target:
+                    raise InjectedUpdateFault(f"injected update fault in batch {target}")
+                original(batch)
+
+            adapter.update = failing_update  # type: ignore[method-assign]
+        else:
+            self.backend.fail_copy(self.point.index, direction=self.point.kind)  # type: ignore[attr-defined]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.point.kind == "update":
+            del self.optimizer.adapter.update
+
+
+def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """``torch.equal`` on the bytes: NaN == NaN here, unlike value equality."""
+    return torch.equal(first.reshape(-1).view(torch.uint8), second.reshape(-1).view(torch.uint8))

@@ -1,0 +1,343 @@
+"""AcceleratorBackend: validation and fallbacks on CPU (through a fake device module), real copies on a device.
+
+The real-device tests run only with ``--backend cuda|npu`` on a machine that has one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import swap_core.backends.accelerator as accelerator
+from swap_core.backends.accelerator import SUPPORTED_DEVICE_TYPES, AcceleratorBackend
+from swap_core.backends.protocol import DeviceBackend
+from swap_core.errors import PinnedMemoryWarning
+
+
+class FakeStream:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.waited_for: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited_for.append(event)
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.recorded_on: object = None
+
+    def record(self, stream: object = None) -> None:
+        self.recorded_on = stream
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeDeviceModule:
+    """Stands in for ``torch.cuda`` so the backend's own logic runs on CPU; records what it is asked."""
+
+    def __init__(self) -> None:
+        self.current = FakeStream()
+        self.entered_streams: list[object] = []
+        self.calls: list[tuple[str, torch.device]] = []
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 2
+
+    def current_device(self) -> int:
+        return 1
+
+    def Stream(self, device: torch.device) -> FakeStream:
+        return FakeStream(device)
+
+    def Event(self) -> FakeEvent:
+        return FakeEvent()
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: object) -> Iterator[None]:
+        self.entered_streams.append(stream)
+        yield
+
+    def synchronize(self, device: torch.device) -> None:
+        self.calls.append(("synchronize", device))
+
+    def memory_allocated(self, device: torch.device) -> int:
+        self.calls.append(("memory_allocated", device))
+        return 1024
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        self.calls.append(("max_memory_allocated", device))
+        return 4096
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        self.calls.append(("reset_peak_memory_stats", device))
+
+
+class RecordCopies(TorchFunctionMode):
+    """Records the ``non_blocking`` flag of every ``Tensor.copy_`` issued inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.non_blocking: list[bool] = []
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            self.non_blocking.append(bool(kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def fake_module() -> FakeDeviceModule:
+    return FakeDeviceModule()
+
+
+@pytest.fixture
+def fake_backend(fake_module: FakeDeviceModule) -> AcceleratorBackend:
+    return AcceleratorBackend._from_module("cuda", fake_module)
+
+
+def _fail_pinning(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    raise RuntimeError("cannot lock memory: memlock limit reached (test)")
+
+
+# -- construction ---------------------------------------------------------------
+@pytest.mark.parametrize("device_type", ["cpu", "tpu", "CUDA", "sim"])
+def test_unknown_device_type_is_rejected_by_name(device_type: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        AcceleratorBackend(device_type)
+    message = str(caught.value)
+    assert f"Unsupported accelerator device type {device_type!r}" in message
+    assert "supports cuda, npu, xpu" in message
+    assert SUPPORTED_DEVICE_TYPES == ("cuda", "npu", "xpu")
+
+
+def test_unavailable_cuda_is_a_runtime_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="The cuda accelerator is not available") as caught:
+        AcceleratorBackend("cuda")
+    assert "backend='sim'" in str(caught.value)
+
+
+def test_missing_torch_npu_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail even where installed
+    with pytest.raises(RuntimeError) as caught:
+        AcceleratorBackend("npu")
+    message = str(caught.value)
+    assert "The npu accelerator is not available" in message
+    assert "torch_npu must be installed" in message and "pip install swap-core[npu]" in message
+
+
+def test_device_defaults_to_the_current_device(fake_backend: AcceleratorBackend) -> None:
+    assert isinstance(fake_backend, DeviceBackend)
+    assert fake_backend.name == "cuda"
+    assert fake_backend.device == torch.device("cuda", 1)
+    assert repr(fake_backend) == "AcceleratorBackend('cuda:1')"
+    explicit = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), device_index=0)
+    assert explicit.device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("device_index", [2, -1, True])
+def test_invalid_device_index_is_rejected(fake_module: FakeDeviceModule, device_index: int) -> None:
+    with pytest.raises(ValueError, match=f"Invalid cuda device index {device_index!r}: 2 device"):
+        AcceleratorBackend._from_module("cuda", fake_module, device_index=device_index)
+
+
+# -- host memory ----------------------------------------------------------------
+def test_pinning_failure_falls_back_to_pageable_and_warns_once(
+    fake_backend: AcceleratorBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(accelerator, "_empty_pinned", _fail_pinning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buffers = [fake_backend.empty_host(6, torch.float32), fake_backend.empty_host(3, torch.bfloat16)]
+    pinned_warnings = [w for w in caught if issubclass(w.category, PinnedMemoryWarning)]
+    assert len(pinned_warnings) == 1
+    assert issubclass(pinned_warnings[0].category, UserWarning)
+    message = str(pinned_warnings[0].message)
+    assert "memlock limit reached (test)" in message
+    assert "pageable memory" in message and "copies become synchronous" in message
+    assert pinned_warnings[0].filename == __file__
+
+    assert [(b.numel(), b.dtype, b.dim()) for b in buffers] == [(6, torch.float32, 1), (3, torch.bfloat16, 1)]
+    assert not any(b.is_pinned() for b in buffers)
+    buffers[0].copy_(torch.arange(6, dtype=torch.float32))
+    assert buffers[0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_each_backend_instance_warns_for_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(accelerator, "_empty_pinned", _fail_pinning)
+    with pytest.warns(PinnedMemoryWarning):
+        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32)
+    with pytest.warns(PinnedMemoryWarning):
+        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works on this machine")
+def test_cpu_only_torch_falls_back_with_torch_error(fake_backend: AcceleratorBackend) -> None:
+    with pytest.warns(PinnedMemoryWarning, match="pin_memory=True requires"):
+        buffer = fake_backend.empty_host(4, torch.float16)
+    assert buffer.shape == (4,) and buffer.dtype == torch.float16
+
+
+def test_pinned_allocation_is_used_when_it_works(
+    fake_backend: AcceleratorBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sentinel = torch.zeros(5)
+    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: sentinel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fake_backend.empty_host(5, torch.float32) is sentinel
+
+
+# -- copies, streams, events ------------------------------------------------------
+def test_copy_runs_under_the_given_stream_and_blocks_for_pageable_memory(
+    fake_backend: AcceleratorBackend, fake_module: FakeDeviceModule
+) -> None:
+    copy_stream = fake_backend.new_stream()
+    dst, src = torch.zeros(4), torch.arange(4.0)
+    with RecordCopies() as recorded:
+        fake_backend.copy(dst, src, stream=copy_stream)
+    assert fake_module.entered_streams == [copy_stream]
+    assert recorded.non_blocking == [False]
+    assert dst.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_streams_and_events_go_to_the_device_module(
+    fake_backend: AcceleratorBackend, fake_module: FakeDeviceModule
+) -> None:
+    copy_stream = fake_backend.new_stream()
+    assert isinstance(copy_stream, FakeStream) and copy_stream.device == torch.device("cuda", 1)
+    compute = fake_backend.compute_stream()
+    assert compute is fake_module.current
+
+    event = fake_backend.record_event(copy_stream)
+    assert isinstance(event, FakeEvent) and event.recorded_on is copy_stream
+    fake_backend.wait_event(compute, event)
+    assert fake_module.current.waited_for == [event]
+    assert copy_stream.waited_for == []
+
+    allocation_done = fake_backend.record_event(compute)
+    fake_backend.wait_event(copy_stream, allocation_done)
+    assert copy_stream.waited_for == [allocation_done]
+    assert fake_module.current.waited_for == [event]
+
+
+def test_sync_and_memory_stats_name_this_device(
+    fake_backend: AcceleratorBackend, fake_module: FakeDeviceModule
+) -> None:
+    fake_backend.synchronize()
+    assert fake_backend.memory_allocated() == 1024
+    assert fake_backend.max_memory_allocated() == 4096
+    fake_backend.reset_peak_memory_stats()
+    device = torch.device("cuda", 1)
+    assert fake_module.calls == [
+        ("synchronize", device),
+        ("memory_allocated", device),
+        ("max_memory_allocated", device),
+        ("reset_peak_memory_stats", device),
+    ]
+
+
+# -- storage and ownership --------------------------------------------------------
+def test_release_and_restore_storage(fake_backend: AcceleratorBackend) -> None:
+    tensor = torch.ones(3, 4, dtype=torch.float64)
+    fake_backend.release_storage(tensor)
+    # Never read a released tensor: on CPU that segfaults instead of raising.
+    assert tensor.untyped_storage().nbytes() == 0
+    assert tensor.shape == (3, 4)
+    fake_backend.restore_storage(tensor)
+    assert tensor.untyped_storage().nbytes() == 3 * 4 * 8
+    tensor.fill_(2.0)
+    assert tensor.sum().item() == 24.0
+
+
+@pytest.mark.parametrize(
+    ("make_view", "fragment"),
+    [
+        (lambda base: base.t(), "stride (1, 3)"),
+        (lambda base: base[1:], "offset 3"),
+    ],
+    ids=["non-contiguous", "offset"],
+)
+def test_restore_storage_needs_a_whole_storage_tensor(
+    fake_backend: AcceleratorBackend, make_view: Callable[[torch.Tensor], torch.Tensor], fragment: str
+) -> None:
+    view = make_view(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"contiguous tensor at storage offset 0, .*" + re.escape(fragment)):
+        fake_backend.restore_storage(view)
+
+
+def test_owns_and_adopt_check_the_device(fake_backend: AcceleratorBackend) -> None:
+    host_tensor = torch.zeros(2)
+    assert not fake_backend.owns(host_tensor)
+    with pytest.raises(ValueError, match="Expected a tensor on cuda:1, got one on cpu"):
+        fake_backend.adopt(host_tensor)
+    with fake_backend.compute_scope():
+        pass
+
+
+# -- a real accelerator (--backend cuda|npu) --------------------------------------
+@pytest.fixture
+def real_backend(backend_name: str) -> AcceleratorBackend:
+    if backend_name == "sim" or not torch.accelerator.is_available():
+        pytest.skip("real-device test: run with --backend cuda|npu on a machine that has one")
+    return AcceleratorBackend(backend_name)
+
+
+def test_real_pinned_round_trip_through_copy_streams(real_backend: AcceleratorBackend) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PinnedMemoryWarning)
+        host = real_backend.empty_host(1 << 16, torch.float32)
+    assert host.is_pinned()
+    host.copy_(torch.arange(1 << 16, dtype=torch.float32))
+    device_tensor = real_backend.empty((1 << 16,), torch.float32)
+    real_backend.adopt(device_tensor)
+    compute, h2d, d2h = real_backend.compute_stream(), real_backend.new_stream(), real_backend.new_stream()
+
+    real_backend.wait_event(h2d, real_backend.record_event(compute))  # allocation happened on compute
+    real_backend.copy(device_tensor, host, stream=h2d)
+    real_backend.wait_event(compute, real_backend.record_event(h2d))
+    device_tensor.mul_(2)
+    real_backend.wait_event(d2h, real_backend.record_event(compute))
+    result = real_backend.empty_host(1 << 16, torch.float32)
+    real_backend.copy(result, device_tensor, stream=d2h)
+    real_backend.record_event(d2h).synchronize()
+    assert torch.equal(result, torch.arange(1 << 16, dtype=torch.float32) * 2)
+
+
+def test_real_release_and_restore_change_allocated_bytes(real_backend: AcceleratorBackend) -> None:
+    tensor = real_backend.empty((1 << 20,), torch.float32)
+    real_backend.synchronize()
+    before = real_backend.memory_allocated()
+    real_backend.release_storage(tensor)
+    assert real_backend.memory_allocated() == before - (4 << 20)
+    real_backend.restore_storage(tensor)
+    assert real_backend.memory_allocated() == before
+    tensor.fill_(1.0)
+    assert tensor.sum().item() == float(1 << 20)
+    assert real_backend.owns(tensor) and not real_backend.owns(tensor.cpu())
