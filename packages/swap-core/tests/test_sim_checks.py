@@ -15,7 +15,7 @@ from swap_core.errors import (
     SimRaceError,
     SimUseAfterFreeError,
 )
-from swap_core.sim import SimBackend
+from swap_core.sim import MemoryKind, SimBackend
 
 aten = torch.ops.aten
 
@@ -267,3 +267,16 @@ def test_checks_on_installs_a_dispatch_mode_only_inside_the_scope() -> None:
     with sim.compute_scope():
         assert _get_current_dispatch_mode() is not None
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_a_plain_tensor_copied_to_host_is_race_tracked_from_then_on() -> None:
+    sim = SimBackend()
+    state = torch.arange(4.0)  # an optimizer state torch created: plain until it takes part in a copy
+    host = sim.empty_host(4, torch.float32)
+    d2h = sim.new_stream()
+    sim.copy(host, state, stream=d2h)
+    assert sim.memory_kind(state) is MemoryKind.DEVICE
+    with sim.compute_scope(), pytest.raises(SimRaceError, match=r"read by stream1 \(copy d2h\) and write by compute"):
+        state.zero_()
+    sim.synchronize()
+    assert torch.equal(host, torch.arange(4.0))

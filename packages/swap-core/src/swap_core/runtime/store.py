@@ -136,7 +136,9 @@ class StateStore:
         packed = PackedHost(self._backend, slots)
         for slot in slots:
             view = packed.view(slot)
-            source = sources.get(slot, slot.host_mirror)
+            source = sources.get(slot)
+            if source is None:  # an existing slot keeps its current host values
+                source = slot.host_mirror
             self._fill(view, source)
             slot.host = view
             self._state[slot.param][slot.key] = view

@@ -247,8 +247,10 @@ class SimBackend:
         host memory is pageable, and otherwise when the stream is forced.
 
         Exactly one side must be host memory from :meth:`empty_host`, or both sides
-        tracked device memory. A plain CPU tensor facing device memory stands for
-        pageable host memory, which an asynchronous copy cannot use.
+        tracked device memory. A plain CPU tensor facing host memory is the device
+        side (and, with checks on, is adopted as device memory from then on); a plain
+        CPU tensor facing device memory stands for pageable host memory, which an
+        asynchronous copy cannot use.
         """
         # The hot path of sync mode without checks: keep it to lookups, counters and the copy itself.
         if self._rng is not None:
@@ -378,12 +380,16 @@ class SimBackend:
         src: torch.Tensor,
         src_record: StorageRecord | None,
     ) -> None:
+        """Check the copy's accesses; a plain CPU tensor on the device side is adopted so that later ops on it
+        are ordered against this copy too (an optimizer state created by torch, copied to host memory)."""
         assert self._race_checker is not None
-        requests = [
-            AccessRequest(storage_key(tensor), record.kind.value, *byte_span(tensor), is_write)
-            for tensor, record, is_write in ((src, src_record, False), (dst, dst_record, True))
-            if record is not None and tensor.numel() > 0
-        ]
+        requests = []
+        for tensor, record, is_write in ((src, src_record, False), (dst, dst_record, True)):
+            if tensor.numel() == 0:
+                continue
+            if record is None:
+                record = self._registry.register(tensor, MemoryKind.DEVICE)
+            requests.append(AccessRequest(storage_key(tensor), record.kind.value, *byte_span(tensor), is_write))
         self._race_checker.access(stream.name, requests, f"copy {direction}")
 
     def _compute_writes_storage(self, tensor: torch.Tensor, nbytes: int, op: str) -> None:
