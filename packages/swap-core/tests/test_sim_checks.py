@@ -17,6 +17,8 @@ from swap_core.errors import (
 )
 from swap_core.sim import MemoryKind, SimBackend
 
+pytestmark = pytest.mark.sim_only  # tests of the simulator itself: skipped with --backend cuda|npu
+
 aten = torch.ops.aten
 
 

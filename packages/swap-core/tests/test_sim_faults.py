@@ -8,6 +8,8 @@ import torch
 from swap_core.errors import SimError, SimInjectedFault
 from swap_core.sim import SimBackend
 
+pytestmark = pytest.mark.sim_only  # tests of the simulator itself: skipped with --backend cuda|npu
+
 
 class _Pair:
     """A host buffer and a device tensor with the allocation already ordered before both copy streams."""

@@ -13,6 +13,8 @@ from swap_core.backends.protocol import DeviceBackend, Event
 from swap_core.errors import PinnedMemoryWarning, SimRaceError
 from swap_core.sim import MemoryKind, SimBackend
 
+pytestmark = pytest.mark.sim_only  # tests of the simulator itself: skipped with --backend cuda|npu
+
 
 def test_is_a_device_backend() -> None:
     sim = SimBackend()

@@ -14,6 +14,8 @@ from swap_core.backends.protocol import Event
 from swap_core.errors import SimRaceError, SimUseAfterFreeError
 from swap_core.sim import SimBackend
 
+pytestmark = pytest.mark.sim_only  # tests of the simulator itself: skipped with --backend cuda|npu
+
 MISSING_WAITS = ("alloc", "prefetch", "offload", "free")
 
 

@@ -8,6 +8,8 @@ from torch.optim.adam import adam
 
 from swap_core.sim import SimBackend
 
+pytestmark = pytest.mark.sim_only  # tests of the simulator itself: skipped with --backend cuda|npu
+
 ADAM_OPTIONS = {
     "amsgrad": False,
     "beta1": 0.9,

@@ -21,6 +21,7 @@ from .adapters.base import AdapterFactory, StateInit, StateSwapAdapter, UpdateBa
 from .backend_selection import select_backend
 from .backends.protocol import DeviceBackend
 from .config import SwapConfig
+from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.pipeline import PipelineScheduler
 from .runtime.plan import PlannedBatch, SwapPlan, build_plan
 from .runtime.slots import SwapSlot
@@ -156,7 +157,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     f"Parameter {tuple(param.shape)} of param group {group_index} has a sparse gradient; "
                     "swapping supports dense gradients only"
                 )
-            self.backend.adopt(grad)
+            self.backend.adopt(local_tensor(grad))
             found.append((group_index, param))
         return found
 
@@ -172,9 +173,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if not isinstance(value, StateInit):
                     continue
                 if self._store.should_swap(key, value):
-                    new.append((SwapSlot(param, key, torch.Size(value.shape), value.dtype), float(value.fill)))
+                    new.append((_slot_like(param, key, value.dtype), float(value.fill)))
                 else:
-                    state[key] = self._store.resident_value(value)
+                    state[key] = self._store.resident_value(value, param)
             self._plan = None
         self._store.add(new, self._ordered_params())
 
@@ -301,7 +302,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _adopt_params(self) -> None:
         assert self.backend is not None
         for param in self._ordered_params():
-            self.backend.adopt(param)
+            self.backend.adopt(local_tensor(param))
 
     def _swap_keys(self) -> tuple[str, ...]:
         declared = self.adapter.swappable_keys
@@ -334,8 +335,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         for param in self._ordered_params():
             for key, value in self.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor) and self._store.should_swap(key, value):
-                    new.append((SwapSlot(param, key, value.shape, value.dtype), value))
+                    new.append((_slot_like(value, key, value.dtype, param=param), value))
         self._store.add(new, self._ordered_params())
+
+
+def _slot_like(like: torch.Tensor, key: str, dtype: torch.dtype, *, param: torch.Tensor | None = None) -> SwapSlot:
+    """A slot for state ``key`` shaped (and sharded) like ``like``; bytes are always the local shard's."""
+    return SwapSlot(param if param is not None else like, key, local_tensor(like).shape, dtype, shard_layout(like))
 
 
 def _group_params(param_group: Mapping[str, Any]) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ import torch
 
 from .adapters.base import StateInit
 from .errors import StateDictMismatchError
+from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.slots import SwapSlot
 from .runtime.store import StateSource, StateStore
 
@@ -91,11 +92,19 @@ def _stage_value(
     if key != "step" and param.is_floating_point():
         template = StateInit(tuple(value.shape), param.dtype)
         if store.should_swap(key, template):
-            host_value = value.to(dtype=param.dtype)
-            slot = SwapSlot(param, key, torch.Size(value.shape), param.dtype)
+            host_value = local_tensor(value).to(dtype=param.dtype)
+            slot = SwapSlot(param, key, local_tensor(param).shape, param.dtype, shard_layout(param))
+            if host_value.shape != slot.shape:
+                raise StateDictMismatchError(
+                    f"State {key!r} of parameter {saved_id!r} has a local shard of shape {tuple(host_value.shape)}, "
+                    f"but this rank's shard of the parameter has shape {tuple(slot.shape)}"
+                )
             new.append((slot, host_value))
             return template
-    return _cast_like_torch(param, value, key, group)
+    cast = _cast_like_torch(param, value, key, group)
+    if key == "step" or cast.dim() == 0:
+        return cast
+    return store.resident_copy(cast)
 
 
 def _cast_like_torch(param: torch.Tensor, value: Any, key: str, group: Mapping[str, Any]) -> Any:

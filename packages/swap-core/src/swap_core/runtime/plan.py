@@ -10,6 +10,7 @@ import torch
 
 from ..backends.protocol import DeviceBackend
 from ..errors import SwapStateError
+from .dtensor import wrap_local
 from .packed import PackedHost, StagingArenas
 from .partition import partition_consecutive
 from .slots import SwapSlot
@@ -31,9 +32,9 @@ class PlannedBatch:
     transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    """Each slot's device tensor during the update (a staging-arena view when packed)."""
+    """Each slot's local device tensor during the update (a staging-arena view when packed)."""
     state_views: dict[torch.Tensor, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
-    """The same device tensors by parameter and state key, as the update sees them."""
+    """The same device tensors by parameter and state key, as the update sees them (DTensors re-wrapped)."""
 
     @property
     def arena_index(self) -> int:
@@ -94,7 +95,7 @@ def build_plan(
             ]
     for batch in batches:
         for slot, view in zip(batch.slots, batch.device_views, strict=True):
-            batch.state_views.setdefault(slot.param, {})[slot.key] = view
+            batch.state_views.setdefault(slot.param, {})[slot.key] = wrap_local(view, slot.layout)
     return SwapPlan(batches=batches, arenas=arenas, version=store.version)
 
 

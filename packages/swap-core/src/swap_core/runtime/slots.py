@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import SwapStateError
+from .dtensor import ShardLayout
 
 __all__ = ["SlotState", "SwapSlot", "is_swappable", "transition"]
 
@@ -44,9 +45,16 @@ _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
 class SwapSlot:
     """A swapped state tensor: its host mirror and, while in flight, its device copy."""
 
-    __slots__ = ("device", "dtype", "host", "key", "nbytes", "numel", "param", "shape", "state")
+    __slots__ = ("device", "dtype", "host", "key", "layout", "nbytes", "numel", "param", "shape", "state")
 
-    def __init__(self, param: torch.Tensor, key: str, shape: torch.Size, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        param: torch.Tensor,
+        key: str,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        layout: ShardLayout | None = None,
+    ) -> None:
         self.param = param
         self.key = key
         self.shape = shape
@@ -56,6 +64,8 @@ class SwapSlot:
         self.host: torch.Tensor | None = None
         self.device: torch.Tensor | None = None
         self.state = SlotState.PENDING
+        self.layout = layout
+        """DTensor layout of the state; ``shape`` and all bytes are the local shard's."""
 
     def __repr__(self) -> str:
         return f"SwapSlot(key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype}, state={self.state.value})"

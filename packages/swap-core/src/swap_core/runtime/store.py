@@ -16,6 +16,7 @@ import torch
 
 from ..adapters.base import StateInit
 from ..backends.protocol import DeviceBackend, Stream
+from .dtensor import local_tensor, shard_layout, wrap_local
 from .packed import PackedHost
 from .slots import SlotState, SwapSlot, is_swappable, transition
 
@@ -67,7 +68,7 @@ class StateStore:
             eligible = floating and _numel(template.shape) >= max(self._min_numel, 1)
             nbytes = _numel(template.shape) * template.dtype.itemsize
         else:
-            eligible = is_swappable(_local(template), min_numel=self._min_numel)
+            eligible = is_swappable(local_tensor(template), min_numel=self._min_numel)
             nbytes = template.numel() * template.element_size()
         if not eligible:
             return False
@@ -77,11 +78,20 @@ class StateStore:
         self._swapped_bytes += nbytes
         return True
 
-    def resident_value(self, template: StateInit) -> torch.Tensor:
-        """A resident device tensor for a fresh state that is not swapped."""
-        tensor = self._backend.empty(template.shape, template.dtype)
+    def resident_value(self, template: StateInit, param: torch.Tensor) -> torch.Tensor:
+        """A resident device tensor for a fresh state that is not swapped (sharded like ``param``)."""
+        layout = shard_layout(param)
+        shape = local_tensor(param).shape if layout is not None else template.shape
+        tensor = self._backend.empty(shape, template.dtype)
         tensor.fill_(template.fill)
-        return tensor
+        return wrap_local(tensor, layout)
+
+    def resident_copy(self, value: torch.Tensor) -> torch.Tensor:
+        """A resident device copy of a loaded state that is not swapped."""
+        local = local_tensor(value)
+        tensor = self._backend.empty(local.shape, local.dtype)
+        tensor.copy_(local)
+        return wrap_local(tensor, shard_layout(value))
 
     # -- creating -------------------------------------------------------------
     def add(self, new: Sequence[tuple[SwapSlot, StateSource]], order: Sequence[torch.Tensor]) -> None:
@@ -100,7 +110,7 @@ class StateStore:
                 slot.device = self._backend.empty(slot.shape, slot.dtype)
                 self._backend.release_storage(slot.device)
                 self._fill(slot.host, source)
-                self._state[slot.param][slot.key] = slot.host
+                self._state[slot.param][slot.key] = wrap_local(slot.host, slot.layout)
         self._finish_fills()
         transition((slot for slot, _ in new), SlotState.PENDING, SlotState.HOST)
         self.version += 1
@@ -141,16 +151,16 @@ class StateStore:
                 source = slot.host_mirror
             self._fill(view, source)
             slot.host = view
-            self._state[slot.param][slot.key] = view
+            self._state[slot.param][slot.key] = wrap_local(view, slot.layout)
         self.packed_host = packed
 
     def _fill(self, host: torch.Tensor, source: StateSource) -> None:
         if isinstance(source, float):
             host.fill_(source)
-        elif self._backend.owns(source):
-            self._backend.copy(host, _local(source), stream=self._copy_stream)
+        elif self._backend.owns(local_tensor(source)):
+            self._backend.copy(host, local_tensor(source), stream=self._copy_stream)
         else:
-            host.copy_(source)
+            host.copy_(local_tensor(source))
 
     def _finish_fills(self) -> None:
         self._backend.synchronize()
@@ -170,16 +180,11 @@ class StateStore:
             for key, value in self._state.get(param, {}).items():
                 # Scalars (step counters) are not state memory worth reporting; on the simulator they look resident.
                 resident = key not in swapped and isinstance(value, torch.Tensor) and value.dim() > 0
-                if resident and self._backend.owns(value):
-                    total += value.numel() * value.element_size()
+                if resident and self._backend.owns(local_tensor(value)):
+                    local = local_tensor(value)
+                    total += local.numel() * local.element_size()
         return total
 
 
 def _numel(shape: Sequence[int]) -> int:
     return torch.Size(shape).numel()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor

@@ -55,7 +55,12 @@ class SimBackend:
     :meth:`adopt` are *device* memory; storages from :meth:`empty_host` are *host*
     memory (pinned, or pageable with ``pinned_memory=False``); every other CPU
     tensor is *plain* and counts as on the device (so a CPU model's parameters need
-    no set-up), but is not race-tracked.
+    no set-up), but is not race-tracked until it takes part in a copy.
+
+    Races are checked on every copy, event and allocation call. Compute ops are
+    checked (races, use of released storage, host/device mixing) only inside
+    :meth:`compute_scope` and only with ``check_races=True``: elsewhere, reading a
+    released tensor crashes the process as in plain torch.
 
     Args:
         mode: when copy streams run. ``"lazy"``: only when forced (a compute-stream

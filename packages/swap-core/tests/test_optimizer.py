@@ -1,0 +1,289 @@
+"""SwapOptimizer behaviour users rely on beyond the conformance rows: the torch.optim contract."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.adapters.rmsprop import RMSpropAdapter
+from swap_core.errors import AdapterNotFoundError, StateDictMismatchError
+from swap_core.sim import MemoryKind, SimBackend
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+
+SHAPES = [(32, 40), (40,), (24, 24), (8,), (30, 30)]
+
+
+def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+
+
+def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def wrapped(params: list[torch.nn.Parameter], backend: SimBackend | None = None, **options: Any) -> SwapOptimizer:
+    config = SwapConfig(backend=backend or SimBackend(), swap_times=2, min_numel=64, **options)
+    return swap_optimizer(torch.optim.RMSprop(params, lr=1e-2, momentum=0.5), config)
+
+
+def assert_params_equal(first: list[torch.nn.Parameter], second: list[torch.nn.Parameter]) -> None:
+    for index, (a, b) in enumerate(zip(first, second, strict=True)):
+        assert_bitwise_equal(a, b, f"parameter {index}")
+
+
+def test_cpu_params_with_auto_backend_run_the_plain_optimizer() -> None:
+    plain_params, swapped_params = make_params(), make_params()
+    plain = torch.optim.RMSprop(plain_params, lr=1e-2)
+    opt = swap_optimizer(torch.optim.RMSprop(swapped_params, lr=1e-2))
+    assert opt.backend is None
+    for step in range(3):
+        set_grads(plain_params, step)
+        set_grads(swapped_params, step)
+        plain.step()
+        opt.step()
+    assert_params_equal(plain_params, swapped_params)
+    assert opt.stats.batches == 0
+
+
+def test_wrapping_twice_is_refused() -> None:
+    opt = wrapped(make_params())
+    with pytest.raises(ValueError, match="already a SwapOptimizer"):
+        swap_optimizer(opt)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="already a SwapOptimizer"):
+        SwapOptimizer(opt, SwapConfig(), RMSpropAdapter)
+
+
+def test_unknown_state_keys_name_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"Unknown state_keys \['exp_avg'\] for RMSprop; swappable keys are"):
+        wrapped(make_params(), state_keys=("exp_avg",))
+
+
+def test_sparse_gradients_are_refused_at_step() -> None:
+    params = make_params()
+    opt = wrapped(params)
+    set_grads(params, 0)
+    params[1].grad = params[1].grad.to_sparse()  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"Parameter \(40,\) of param group 0 has a sparse gradient"):
+        opt.step()
+
+
+def test_params_on_several_devices_are_refused() -> None:
+    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, device="meta"))]
+    with pytest.raises(ValueError, match=r"Parameters live on several devices \['cpu', 'meta'\]"):
+        swap_optimizer(torch.optim.RMSprop(params), backend="sim")
+
+
+def test_sim_backend_refuses_accelerator_names_on_cpu() -> None:
+    with pytest.raises(ValueError, match="backend='cuda' but the parameters are on cpu"):
+        swap_optimizer(torch.optim.RMSprop(make_params()), backend="cuda")
+
+
+def test_missing_family_names_the_package_to_install() -> None:
+    with pytest.raises(AdapterNotFoundError, match="pip install swap-adam"):
+        swap_optimizer(torch.optim.AdamW(make_params()), backend="sim")
+
+
+def test_overrides_are_validated() -> None:
+    with pytest.raises(ValueError, match="swap_times: 0"):
+        swap_optimizer(torch.optim.RMSprop(make_params()), swap_times=0)
+    with pytest.raises(TypeError, match="Unknown SwapConfig field"):
+        swap_optimizer(torch.optim.RMSprop(make_params()), swaptimes=3)
+
+
+def test_closure_hooks_and_profiler_ranges() -> None:
+    params = make_params()
+    opt = wrapped(params)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))  # type: ignore[arg-type,func-returns-value]
+    opt.register_step_post_hook(lambda *_: calls.append("post"))  # type: ignore[arg-type,func-returns-value]
+    opt.register_state_dict_pre_hook(lambda *_: calls.append("sd_pre"))  # type: ignore[arg-type,func-returns-value]
+    opt.register_load_state_dict_post_hook(lambda *_: calls.append("load_post"))  # type: ignore[arg-type,func-returns-value]
+
+    def closure() -> float:
+        set_grads(params, 0)
+        return 1.5
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        assert opt.step(closure) == 1.5
+    names = {event.name for event in profile.events()}
+    assert {"swap::prefetch", "swap::update", "swap::offload"} <= names
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["pre", "post", "sd_pre", "load_post"]
+
+
+SCHEDULERS: list[Callable[[torch.optim.Optimizer], Any]] = [
+    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=8),
+    lambda opt: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=3),
+    lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [torch.optim.lr_scheduler.LinearLR(opt, 0.1), torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)],
+        milestones=[3],
+    ),
+    lambda opt: torch.optim.lr_scheduler.ChainedScheduler(
+        [torch.optim.lr_scheduler.ConstantLR(opt, 0.5, total_iters=2), torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)]
+    ),
+    lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0),
+]
+
+
+@pytest.mark.parametrize("make_scheduler", SCHEDULERS, ids=lambda f: str(SCHEDULERS.index(f)))
+def test_lr_schedulers_follow_the_same_trajectory(make_scheduler: Callable[[torch.optim.Optimizer], Any]) -> None:
+    plain_params, swapped_params = make_params(), make_params()
+    plain = torch.optim.RMSprop(plain_params, lr=1e-2, momentum=0.5)
+    opt = wrapped(swapped_params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain_scheduler, swapped_scheduler = make_scheduler(plain), make_scheduler(opt)
+        for step in range(8):
+            set_grads(plain_params, step)
+            set_grads(swapped_params, step)
+            plain.step()
+            opt.step()
+            if isinstance(plain_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                plain_scheduler.step(1.0)
+                swapped_scheduler.step(1.0)
+            else:
+                plain_scheduler.step()
+                swapped_scheduler.step()
+            assert [g["lr"] for g in plain.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert_params_equal(plain_params, swapped_params)
+
+
+def test_add_param_group_mid_training() -> None:
+    plain_params, swapped_params = make_params(), make_params()
+    plain = torch.optim.RMSprop(plain_params[:3], lr=1e-2, momentum=0.5)
+    opt = wrapped(swapped_params[:3])
+    for step in range(6):
+        if step == 2:
+            plain.add_param_group({"params": plain_params[3:], "lr": 5e-3})
+            opt.add_param_group({"params": swapped_params[3:], "lr": 5e-3})
+        set_grads(plain_params, step)
+        set_grads(swapped_params, step)
+        plain.step()
+        opt.step()
+    assert_params_equal(plain_params, swapped_params)
+    assert_state_dicts_equal(plain.state_dict(), opt.state_dict(), "after add_param_group")
+
+
+def test_existing_states_are_offloaded_at_wrap_time() -> None:
+    plain_params, swapped_params = make_params(), make_params()
+    plain = torch.optim.RMSprop(plain_params, lr=1e-2, momentum=0.5)
+    inner = torch.optim.RMSprop(swapped_params, lr=1e-2, momentum=0.5)
+    for step in range(2):
+        for params, optimizer in ((plain_params, plain), (swapped_params, inner)):
+            set_grads(params, step)
+            optimizer.step()
+    backend = SimBackend()
+    opt = swap_optimizer(inner, SwapConfig(backend=backend, swap_times=2, min_numel=64))
+    assert backend.memory_allocated() == 0
+    square_avg = opt.state[swapped_params[0]]["square_avg"]
+    assert backend.memory_kind(square_avg) is MemoryKind.HOST
+    for step in range(2, 5):
+        set_grads(plain_params, step)
+        set_grads(swapped_params, step)
+        plain.step()
+        opt.step()
+    assert_params_equal(plain_params, swapped_params)
+
+
+def test_small_states_stay_resident_and_are_still_updated() -> None:
+    backend = SimBackend()
+    params = make_params()
+    opt = wrapped(params, backend=backend)
+    set_grads(params, 0)
+    opt.step()
+    assert backend.memory_kind(opt.state[params[3]]["square_avg"]) is MemoryKind.DEVICE
+    assert backend.memory_kind(opt.state[params[0]]["square_avg"]) is MemoryKind.HOST
+    assert opt.stats.resident_state_device_bytes == 2 * (40 + 8) * 4  # square_avg + momentum of the 2 small params
+
+
+def test_state_dict_and_load_never_touch_device_memory() -> None:
+    backend = SimBackend()
+    params = make_params()
+    opt = wrapped(params, backend=backend)
+    for step in range(2):
+        set_grads(params, step)
+        opt.step()
+    before = backend.memory_allocated()
+    backend.reset_peak_memory_stats()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    opt.load_state_dict(torch.load(buffer, weights_only=True))
+    # Swapped state never visits the device; only the resident states are rebuilt (old and new briefly coexist).
+    resident = opt.stats.resident_state_device_bytes
+    assert resident == before == backend.memory_allocated() == 384
+    assert backend.max_memory_allocated() == before + resident
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "has 2 parameter groups"),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), "has 4 parameters, the optimizer's has 5"),
+        (lambda sd: sd["state"][0].__setitem__("square_avg", torch.zeros(3, 3)), "has shape \\(3, 3\\)"),
+        (lambda sd: sd.pop("state"), "Not an optimizer state dict"),
+        (lambda sd: sd["state"].__setitem__(99, {}), "parameter id 99"),
+    ],
+)
+def test_mismatched_state_dict_raises_and_keeps_state(mutate: Callable[[dict[str, Any]], Any], message: str) -> None:
+    params = make_params()
+    opt = wrapped(params)
+    set_grads(params, 0)
+    opt.step()
+    before = _clone_state_dict(opt.state_dict())
+    bad = _clone_state_dict(opt.state_dict())
+    mutate(bad)
+    with pytest.raises(StateDictMismatchError, match=message):
+        opt.load_state_dict(bad)
+    assert_state_dicts_equal(before, opt.state_dict(), "after a refused load")
+    set_grads(params, 1)
+    opt.step()  # still works
+
+
+def test_reset_optimizer_parameters_moves_state_to_new_params() -> None:
+    plain_params, swapped_params = make_params(), make_params()
+    plain = torch.optim.RMSprop(plain_params, lr=1e-2, momentum=0.5)
+    opt = wrapped(swapped_params)
+    for step in range(2):
+        set_grads(plain_params, step)
+        set_grads(swapped_params, step)
+        plain.step()
+        opt.step()
+    replacements = [torch.nn.Parameter(param.detach().clone()) for param in swapped_params]
+    opt.reset_optimizer_parameters(dict(zip(replacements, swapped_params, strict=True)))
+    assert opt.param_groups[0]["params"][0] is replacements[0]
+    for step in range(2, 5):
+        set_grads(plain_params, step)
+        set_grads(replacements, step)
+        plain.step()
+        opt.step()
+    assert_params_equal(plain_params, replacements)
+    assert_state_dicts_equal(plain.state_dict(), opt.state_dict(), "after reset_optimizer_parameters")
+
+
+def test_reset_optimizer_parameters_rejects_bad_mapping() -> None:
+    params = make_params()
+    opt = wrapped(params)
+    with pytest.raises(ValueError, match="not in this optimizer's param groups"):
+        opt.reset_optimizer_parameters({torch.nn.Parameter(torch.zeros(2)): torch.nn.Parameter(torch.zeros(2))})
+    with pytest.raises(ValueError, match="does not match"):
+        opt.reset_optimizer_parameters({torch.nn.Parameter(torch.zeros(2)): params[0]})
+
+
+def _clone_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded
