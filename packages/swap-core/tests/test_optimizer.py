@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +14,7 @@ from swap_core.adapters.rmsprop import RMSpropAdapter
 from swap_core.errors import AdapterNotFoundError, StateDictMismatchError
 from swap_core.sim import MemoryKind, SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+from swap_core.testing.conformance import through_torch_save
 
 SHAPES = [(32, 40), (40,), (24, 24), (8,), (30, 30)]
 
@@ -216,10 +216,7 @@ def test_state_dict_and_load_never_touch_device_memory() -> None:
         opt.step()
     before = backend.memory_allocated()
     backend.reset_peak_memory_stats()
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    buffer.seek(0)
-    opt.load_state_dict(torch.load(buffer, weights_only=True))
+    opt.load_state_dict(through_torch_save(opt.state_dict()))
     # Swapped state never visits the device; only the resident states are rebuilt (old and new briefly coexist).
     resident = opt.stats.resident_state_device_bytes
     assert resident == before == backend.memory_allocated() == 384
@@ -241,8 +238,8 @@ def test_mismatched_state_dict_raises_and_keeps_state(mutate: Callable[[dict[str
     opt = wrapped(params)
     set_grads(params, 0)
     opt.step()
-    before = _clone_state_dict(opt.state_dict())
-    bad = _clone_state_dict(opt.state_dict())
+    before = through_torch_save(opt.state_dict())
+    bad = through_torch_save(opt.state_dict())
     mutate(bad)
     with pytest.raises(StateDictMismatchError, match=message):
         opt.load_state_dict(bad)
@@ -281,9 +278,53 @@ def test_reset_optimizer_parameters_rejects_bad_mapping() -> None:
         opt.reset_optimizer_parameters({torch.nn.Parameter(torch.zeros(2)): params[0]})
 
 
-def _clone_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
-    buffer.seek(0)
-    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
-    return loaded
+def test_state_dict_exports_the_host_mirrors_without_copying() -> None:
+    backend = SimBackend()
+    params = make_params()
+    opt = wrapped(params, backend=backend)
+    set_grads(params, 0)
+    opt.step()
+    exported = opt.state_dict()["state"][0]["square_avg"]
+    assert backend.memory_kind(exported) is MemoryKind.HOST
+    assert exported.data_ptr() == opt.state[params[0]]["square_avg"].data_ptr()
+
+
+def test_ineligible_existing_states_stay_resident_and_are_updated() -> None:
+    plain_params, swapped_params = make_params(), make_params()
+    plain = torch.optim.RMSprop(plain_params, lr=1e-2, momentum=0.5)
+    inner = torch.optim.RMSprop(swapped_params, lr=1e-2, momentum=0.5)
+    for params, optimizer in ((plain_params, plain), (swapped_params, inner)):
+        set_grads(params, 0)
+        optimizer.step()
+    # A state that is a view into a larger buffer does not own its storage: it cannot be swapped.
+    shared = torch.zeros(2, *swapped_params[0].shape)
+    shared[0].copy_(inner.state[swapped_params[0]]["square_avg"])
+    inner.state[swapped_params[0]]["square_avg"] = shared[0]
+    opt = swap_optimizer(inner, SwapConfig(backend=SimBackend(), swap_times=2, min_numel=64))
+    assert opt.state[swapped_params[0]]["square_avg"].data_ptr() == shared[0].data_ptr()
+    for step in range(1, 4):
+        set_grads(plain_params, step)
+        set_grads(swapped_params, step)
+        plain.step()
+        opt.step()
+    assert_params_equal(plain_params, swapped_params)
+    assert_bitwise_equal(plain.state[plain_params[0]]["square_avg"], shared[0], "resident view state")
+
+
+class _CostAdapter(RMSpropAdapter):
+    """Gives the last parameter all the cost: it must end up alone in the last batch."""
+
+    def partition_costs(self, params: Any) -> list[int]:
+        return [1] * (len(params) - 1) + [1000]
+
+
+def test_adapter_partition_costs_drive_the_batches() -> None:
+    params = make_params()
+    opt = SwapOptimizer(
+        torch.optim.RMSprop(params, lr=1e-2), SwapConfig(backend=SimBackend(), swap_times=2, min_numel=64), _CostAdapter
+    )
+    set_grads(params, 0)
+    opt.step()
+    batches = opt._current_plan().batches
+    assert [len(batch.params) for batch in batches] == [4, 1]
+    assert batches[1].params[0][1] is params[-1]

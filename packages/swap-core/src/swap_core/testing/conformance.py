@@ -40,6 +40,7 @@ __all__ = [
     "check_parity",
     "fault_points",
     "make_conformance_tests",
+    "through_torch_save",
 ]
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -231,14 +232,14 @@ def check_checkpoint_round_trip(case: ConformanceCase, backend: DeviceBackend, *
     pair.step_both(3)
     # swapped checkpoint -> fresh plain optimizer
     restored_plain = case.make_optimizer(make_groups(case, pair.reference_params))
-    restored_plain.load_state_dict(_through_bytes(pair.swapped.state_dict()))
+    restored_plain.load_state_dict(through_torch_save(pair.swapped.state_dict()))
     pair.reference = restored_plain
     pair.step_both(2)
     pair.assert_equal(f"{case.name} swapped -> plain")
     # plain checkpoint -> fresh swapped optimizer
     fresh = case.make_optimizer(make_groups(case, pair.swapped_params))
     restored_swapped = swap_optimizer(fresh, swap_config(case, backend, **overrides))
-    restored_swapped.load_state_dict(_through_bytes(pair.reference.state_dict()))
+    restored_swapped.load_state_dict(through_torch_save(pair.reference.state_dict()))
     pair.swapped = restored_swapped
     pair.step_both(2)
     pair.assert_equal(f"{case.name} plain -> swapped")
@@ -282,7 +283,7 @@ def check_fault(case: ConformanceCase, backend: DeviceBackend, point: FaultPoint
     reference = case.make_optimizer(make_groups(case, pair.reference_params))
     for mine, theirs in zip(pair.reference_params, pair.swapped_params, strict=True):
         mine.data.copy_(theirs.data)
-    reference.load_state_dict(_through_bytes(pair.swapped.state_dict()))
+    reference.load_state_dict(through_torch_save(pair.swapped.state_dict()))
     pair.reference = reference
     pair.steps_taken += 1
     pair.step_both(3)
@@ -376,7 +377,8 @@ def _staging_bound(batches: Sequence[Any], packed: bool) -> int:
     return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
 
 
-def _through_bytes(state_dict: dict[str, Any]) -> dict[str, Any]:
+def through_torch_save(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` after ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint would be."""
     buffer = io.BytesIO()
     torch.save(state_dict, buffer)
     buffer.seek(0)
