@@ -9,10 +9,11 @@ is updated is the adapter's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from .state_dict_loading import load_swapped_state
 from .stats import SwapStats
 
 __all__ = ["SwapOptimizer"]
+
+_AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -65,6 +68,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.config = config
         self.adapter: StateSwapAdapter = adapter_factory(optimizer)
         self.stats = SwapStats()
+        # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them.
+        self._step_supports_amp_scaling = getattr(optimizer, "_step_supports_amp_scaling", False)
         self.backend: DeviceBackend | None = select_backend(config.backend, self._ordered_params())
         self._plan: SwapPlan | None = None
         self._plan_key: tuple[int, int] | None = None
@@ -102,20 +107,36 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._scheduler is None:
-            self.optimizer.step()
-            return loss
-        started = time.perf_counter()
-        params = self._params_with_grad()
-        self._create_missing_states(params)
-        plan = self._current_plan()
-        stats = SwapStats()
-        self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging)
+        with self._amp_attributes_forwarded():
+            if self._scheduler is None:
+                self.optimizer.step()
+                return loss
+            started = time.perf_counter()
+            params = self._params_with_grad()
+            self._create_missing_states(params)
+            plan = self._current_plan()
+            stats = SwapStats()
+            self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging)
         stats.resident_state_device_bytes = self._resident_bytes
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
         self.stats = stats
         return loss
+
+    @contextlib.contextmanager
+    def _amp_attributes_forwarded(self) -> Iterator[None]:
+        """GradScaler sets ``grad_scale``/``found_inf`` on the optimizer it was given: this wrapper.
+
+        The wrapped optimizer's math (and adapters) read them from the wrapped optimizer.
+        """
+        forwarded = [name for name in _AMP_ATTRIBUTES if name in self.__dict__]
+        for name in forwarded:
+            setattr(self.optimizer, name, self.__dict__[name])
+        try:
+            yield
+        finally:
+            for name in forwarded:
+                self.optimizer.__dict__.pop(name, None)
 
     def _update_batch(self, batch: PlannedBatch) -> None:
         for group_index, members in itertools.groupby(batch.params, key=lambda item: item[0]):
