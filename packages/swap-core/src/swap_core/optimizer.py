@@ -139,32 +139,34 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self.optimizer.__dict__.pop(name, None)
 
     def _update_batch(self, batch: PlannedBatch) -> None:
-        for group_index, members in itertools.groupby(batch.params, key=lambda item: item[0]):
-            params, grads, states = [], [], []
-            for _, param in members:
-                if param.grad is None:
-                    continue
-                params.append(param)
-                grads.append(param.grad)
-                views = batch.state_views.get(param)
-                states.append({**self.state[param], **views} if views else self.state[param])
-            if params:
-                group = self.param_groups[group_index]
-                self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
-                self._keep_replaced_resident_states(batch, params, states)
+        with self._device_states_in_place(batch):
+            for group_index, members in itertools.groupby(batch.params, key=lambda item: item[0]):
+                params, grads, states = [], [], []
+                for _, param in members:
+                    grad = param.grad
+                    if grad is not None:
+                        params.append(param)
+                        grads.append(grad)
+                        states.append(self.state[param])
+                if params:
+                    group = self.param_groups[group_index]
+                    self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
 
-    def _keep_replaced_resident_states(
-        self, batch: PlannedBatch, params: list[torch.Tensor], states: list[dict[str, Any]]
-    ) -> None:
-        """An update may rebind resident (not swapped) entries; carry them back into ``state``."""
-        for param, updated in zip(params, states, strict=True):
-            stored = self.state[param]
-            if updated is stored:
-                continue
-            swapped = batch.state_views.get(param, {})
-            for key, value in updated.items():
-                if key not in swapped and stored.get(key) is not value:
-                    stored[key] = value
+    @contextlib.contextmanager
+    def _device_states_in_place(self, batch: PlannedBatch) -> Iterator[None]:
+        """During its update a batch's ``state`` entries are the device copies; host mirrors again after.
+
+        Swapping entries in place (rather than handing the adapter merged copies)
+        keeps whatever the update writes to resident entries, at two dict stores per state.
+        """
+        state = self.state
+        for slot, view in zip(batch.slots, batch.update_views, strict=True):
+            state[slot.param][slot.key] = view
+        try:
+            yield
+        finally:
+            for slot in batch.slots:
+                state[slot.param][slot.key] = slot.host_value
 
     def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
         assert self.backend is not None

@@ -8,6 +8,7 @@ like the wrapped optimizer would have created them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -15,7 +16,9 @@ import torch
 __all__ = ["ShardLayout", "local_tensor", "shard_layout", "wrap_local"]
 
 
+@functools.cache
 def _dtensor_type() -> type[torch.Tensor] | None:
+    """DTensor's class, imported once (this runs for every gradient of every step)."""
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor

@@ -33,8 +33,8 @@ class PlannedBatch:
     """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Each slot's local device tensor during the update (a staging-arena view when packed)."""
-    state_views: dict[torch.Tensor, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
-    """The same device tensors by parameter and state key, as the update sees them (DTensors re-wrapped)."""
+    update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """The same device tensors as the update sees them in ``state`` (DTensors re-wrapped)."""
 
     @property
     def arena_index(self) -> int:
@@ -94,8 +94,8 @@ def build_plan(
                 (slot.host_mirror, view) for slot, view in zip(batch.slots, batch.device_views, strict=True)
             ]
     for batch in batches:
-        for slot, view in zip(batch.slots, batch.device_views, strict=True):
-            batch.state_views.setdefault(slot.param, {})[slot.key] = wrap_local(view, slot.layout)
+        pairs = zip(batch.slots, batch.device_views, strict=True)
+        batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]
     return SwapPlan(batches=batches, arenas=arenas, version=store.version)
 
 

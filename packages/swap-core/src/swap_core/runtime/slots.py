@@ -45,7 +45,7 @@ _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
 class SwapSlot:
     """A swapped state tensor: its host mirror and, while in flight, its device copy."""
 
-    __slots__ = ("device", "dtype", "host", "key", "layout", "nbytes", "numel", "param", "shape", "state")
+    __slots__ = ("device", "dtype", "host", "host_value", "key", "layout", "nbytes", "numel", "param", "shape", "state")
 
     def __init__(
         self,
@@ -62,6 +62,8 @@ class SwapSlot:
         self.numel = shape.numel()
         self.nbytes = self.numel * dtype.itemsize
         self.host: torch.Tensor | None = None
+        self.host_value: torch.Tensor | None = None
+        """What ``optimizer.state`` holds between steps: the host mirror (a DTensor over it when sharded)."""
         self.device: torch.Tensor | None = None
         self.state = SlotState.PENDING
         self.layout = layout

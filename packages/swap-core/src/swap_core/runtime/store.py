@@ -110,7 +110,7 @@ class StateStore:
                 slot.device = self._backend.empty(slot.shape, slot.dtype)
                 self._backend.release_storage(slot.device)
                 self._fill(slot.host, source)
-                self._state[slot.param][slot.key] = wrap_local(slot.host, slot.layout)
+                self._publish(slot)
         self._finish_fills()
         transition((slot for slot, _ in new), SlotState.PENDING, SlotState.HOST)
         self.version += 1
@@ -151,8 +151,13 @@ class StateStore:
                 source = slot.host_mirror
             self._fill(view, source)
             slot.host = view
-            self._state[slot.param][slot.key] = wrap_local(view, slot.layout)
+            self._publish(slot)
         self.packed_host = packed
+
+    def _publish(self, slot: SwapSlot) -> None:
+        """Make the slot's host mirror the value ``optimizer.state`` shows between steps."""
+        slot.host_value = wrap_local(slot.host_mirror, slot.layout)
+        self._state[slot.param][slot.key] = slot.host_value
 
     def _fill(self, host: torch.Tensor, source: StateSource) -> None:
         if isinstance(source, float):

@@ -141,7 +141,12 @@ class SimBackend:
         return record is None or record.kind is MemoryKind.DEVICE
 
     def adopt(self, tensor: torch.Tensor) -> None:
-        """Track a parameter or gradient as device memory (nothing is counted: it was allocated before)."""
+        """Track a parameter or gradient as device memory (nothing is counted: it was allocated before).
+
+        Without checks nothing would ever look at the registration: return at once (called per gradient per step).
+        """
+        if self._race_checker is None and self._rng is None:
+            return
         self._tick()
         if tensor.device.type != "cpu":
             raise ValueError(f"SimBackend can only adopt CPU tensors, got one on {tensor.device}")
