@@ -196,7 +196,17 @@ class SimBackend:
         record = self._device_record(tensor, "release_storage")
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if nbytes == 0:
+        if nbytes == 0 or record.retained:
+            return
+        if self._race_checker is None:
+            # Without checks nothing could catch a use after free anyway: keep the bytes mapped, as a real
+            # device's caching allocator keeps freed blocks, so steps don't pay the host OS's page faults.
+            # Freed bytes are poisoned now (a real allocator hands them to the next user), so a copy that still
+            # reads them because a wait is missing yields NaN instead of a lucky match.
+            record.retained = True
+            self._registry.uncount(record)
+            if self.poison:
+                poison_storage(tensor)
             return
         self._compute_writes_storage(tensor, nbytes, "release_storage")
         with self._untracked():
@@ -215,6 +225,10 @@ class SimBackend:
         storage = tensor.untyped_storage()
         nbytes = tensor.numel() * tensor.element_size()
         held = storage.nbytes()
+        if record.retained:  # poisoned when it was released
+            record.retained = False
+            self._registry.count(record, nbytes)
+            return
         if held == nbytes:
             return
         if held != 0:

@@ -52,6 +52,8 @@ class StorageRecord:
 
     kind: MemoryKind
     counted_bytes: int = 0
+    retained: bool = False
+    """Released by ``release_storage`` with checks off: uncounted, but its bytes stay mapped for reuse."""
     finalizer: weakref.finalize[[int, StorageRecord], torch.Tensor] | None = field(default=None, repr=False)
     is_host: bool = field(init=False)
     """Flags precomputed from ``kind``: the copy path tests them on every call."""
