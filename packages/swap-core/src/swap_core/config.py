@@ -34,7 +34,10 @@ class SwapConfig:
     """Number of consecutive batches the parameters are split into (more batches: less device memory)."""
 
     max_batch_bytes: int | None = None
-    """Upper bound on swapped state bytes per batch; adds batches beyond ``swap_times`` when needed."""
+    """Upper bound on swapped state bytes per batch; adds batches beyond ``swap_times`` when needed.
+
+    When the adapter supplies rank-independent partition costs (distributed families), the bound
+    applies to those costs, which such adapters express in bytes."""
 
     packed: bool = True
     """Move each batch as one copy per dtype through two staging arenas (else one copy per tensor)."""

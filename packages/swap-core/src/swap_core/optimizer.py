@@ -196,7 +196,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if not isinstance(value, StateInit):
                     continue
                 if self._store.should_swap(key, value):
-                    new.append((_slot_like(param, key, value.dtype), float(value.fill)))
+                    new.append((_slot_for(param, key, value), float(value.fill)))
                 else:
                     state[key] = self._store.resident_value(value, param)
             self._plan = None
@@ -360,6 +360,13 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and self._store.should_swap(key, value):
                     new.append((_slot_like(value, key, value.dtype, param=param), value))
         self._store.add(new, self._ordered_params())
+
+
+def _slot_for(param: torch.Tensor, key: str, init: StateInit) -> SwapSlot:
+    """A slot for a fresh state: a shard like ``param``'s, or a whole tensor this rank holds alone."""
+    if init.shard_like_param:
+        return _slot_like(param, key, init.dtype)
+    return SwapSlot(param, key, torch.Size(init.shape), init.dtype)
 
 
 def _slot_like(like: torch.Tensor, key: str, dtype: torch.dtype, *, param: torch.Tensor | None = None) -> SwapSlot:

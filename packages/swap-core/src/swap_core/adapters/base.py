@@ -38,6 +38,9 @@ class StateInit:
     shape: tuple[int, ...]
     dtype: torch.dtype
     fill: float = 0.0
+    shard_like_param: bool = True
+    """For a DTensor parameter: the state is sharded like it (only the local shard is held). ``False``: a
+    plain tensor of ``shape`` held whole by this rank (e.g. distributed Muon's owner-side momentum)."""
 
     @classmethod
     def zeros_like(cls, tensor: torch.Tensor) -> StateInit:
@@ -79,7 +82,11 @@ class StateSwapAdapter(abc.ABC):
         """Update ``batch.params`` in place with the wrapped optimizer's own math."""
 
     def partition_costs(self, params: Sequence[torch.Tensor]) -> Sequence[int] | None:
-        """Rank-independent cost per parameter for batching, or ``None`` to balance by swapped bytes."""
+        """Rank-independent cost per parameter for batching, or ``None`` to balance by swapped bytes.
+
+        Return costs (in bytes) when ranks hold different states but run collectives per batch: every
+        rank then walks exactly the same batches, even a rank that swaps nothing.
+        """
         return None
 
 

@@ -70,10 +70,11 @@ def build_plan(
     nbytes = [sum(slot.nbytes for slot in slots) for slots in slots_of]
     if costs is None:
         costs = nbytes
+        if sum(nbytes) == 0:
+            num_batches = 1  # nothing moves: one batch, no copies
     elif len(costs) != len(params):
         raise ValueError(f"Adapter returned {len(costs)} partition costs for {len(params)} parameters")
-    if sum(nbytes) == 0:
-        num_batches = 1
+    # Adapter costs are rank-independent: every rank must walk the same batches even when it swaps nothing.
     ranges = partition_consecutive(costs, num_batches=num_batches, max_batch_cost=max_batch_bytes)
     batches = [
         PlannedBatch(

@@ -80,7 +80,7 @@ class StateStore:
 
     def resident_value(self, template: StateInit, param: torch.Tensor) -> torch.Tensor:
         """A resident device tensor for a fresh state that is not swapped (sharded like ``param``)."""
-        layout = shard_layout(param)
+        layout = shard_layout(param) if template.shard_like_param else None
         shape = local_tensor(param).shape if layout is not None else template.shape
         tensor = self._backend.empty(shape, template.dtype)
         tensor.fill_(template.fill)
