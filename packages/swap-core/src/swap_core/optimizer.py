@@ -118,6 +118,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             stats = SwapStats()
             self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging)
         stats.resident_state_device_bytes = self._resident_bytes
+        stats.host_state_bytes = self._store.host_bytes
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
         self.stats = stats

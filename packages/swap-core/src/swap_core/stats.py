@@ -32,5 +32,8 @@ class SwapStats:
     resident_state_device_bytes: int = 0
     """Device bytes of optimizer state kept resident (not swapped) between steps."""
 
+    host_state_bytes: int = 0
+    """Host bytes holding this rank's swapped state (distributed families: only what the rank owns)."""
+
     step_seconds: float = 0.0
     """Host wall time of ``step()`` (asynchronous device work may still be running when it returns)."""

@@ -1,0 +1,220 @@
+"""Muon for DTensor (FSDP2 / HSDP) parameters: whole-matrix math on one owner rank per parameter.
+
+Running Muon on each rank's local shard is wrong: Newton-Schulz must see the
+whole matrix. Per pipeline batch, for every parameter in it:
+
+1. the gradient shards are gathered on the parameter's owner (shard-group rank);
+2. the owner updates its full-size momentum, which only it holds (swapped to its
+   host memory by swap-core like any state), and orthogonalizes;
+3. the update is scattered back and every rank applies its own rows, with the
+   same elementwise ops as ``torch.optim.Muon``.
+
+Every rank walks the same batches (the adapter gives swap-core rank-independent
+costs) and issues the same collectives in the same order. With HSDP the plan
+lives inside the shard group; each replica group repeats it on identical data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from swap_core import StateInit, StateSwapAdapter, UpdateBatch
+from swap_core.errors import UnsupportedOptimizerError
+
+from .owner_plan import OwnerPlan, plan_owners, state_bytes
+
+__all__ = ["DistributedMuonAdapter", "PlanMismatchError", "ShardGroup", "shard_group_of"]
+
+
+class PlanMismatchError(UnsupportedOptimizerError):
+    """Ranks computed different owner plans (different parameters or order): collectives would hang."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """The process group a parameter's rows are sharded over, and this rank's place in it."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def shard_group_of(params: Sequence[torch.Tensor]) -> ShardGroup:
+    """The common shard group of ``params``: ``(Shard(0),)`` on a 1-D mesh or ``(Replicate(), Shard(0))``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = None
+    for index, param in enumerate(params):
+        if not isinstance(param, DTensor):
+            raise UnsupportedOptimizerError(
+                f"Distributed Muon needs every parameter to be a DTensor; parameter {index} "
+                f"{tuple(param.shape)} is a plain tensor"
+            )
+        placements = tuple(param.placements)
+        supported = placements == (Shard(0),) or placements == (Replicate(), Shard(0))
+        if not supported or param.dim() != 2:
+            raise UnsupportedOptimizerError(
+                f"Parameter {index} {tuple(param.shape)} has placements {placements}; distributed Muon supports "
+                "2-D parameters placed (Shard(0),) on a 1-D mesh (FSDP2) or (Replicate(), Shard(0)) (HSDP)"
+            )
+        if mesh is None:
+            mesh = param.device_mesh
+        elif param.device_mesh != mesh:
+            raise UnsupportedOptimizerError(f"Parameter {index} lives on another device mesh than parameter 0")
+    assert mesh is not None
+    group = mesh.get_group(mesh.ndim - 1)
+    return ShardGroup(group, dist.get_world_size(group), dist.get_rank(group))
+
+
+class DistributedMuonAdapter(StateSwapAdapter):
+    """Owner-rank Muon over sharded parameters, bitwise equal to ``torch.optim.Muon`` on full tensors."""
+
+    swappable_keys = ("momentum_buffer",)
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        if not params:
+            raise UnsupportedOptimizerError("Distributed Muon got no parameters")
+        self.shards = shard_group_of(params)
+        self._position = {id(param): index for index, param in enumerate(params)}
+        self.plan: OwnerPlan = plan_owners(
+            [tuple(param.shape) for param in params], [param.dtype for param in params], self.shards.size
+        )
+        _check_same_plan(self.plan)
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """Shard-group rank that owns ``param``."""
+        return self.plan.owners[self._position[id(param)]]
+
+    def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
+        if self.owner_of(param) != self.shards.rank:
+            return {}
+        return {"momentum_buffer": StateInit(tuple(param.shape), param.dtype, 0.0, shard_like_param=False)}
+
+    def partition_costs(self, params: Sequence[torch.Tensor]) -> Sequence[int]:
+        return [state_bytes(param.shape, param.dtype) for param in params]
+
+    def update(self, batch: UpdateBatch) -> None:
+        group = batch.group
+        lr = float(group["lr"].item()) if torch.is_tensor(group["lr"]) else float(group["lr"])
+        full_grads = self._gather_to_owners(batch.params, batch.grads)
+        updates = [
+            None if full_grad is None else _owner_update(full_grad, state["momentum_buffer"], group)
+            for full_grad, state in zip(full_grads, batch.states, strict=True)
+        ]
+        local_updates = self._scatter_from_owners(batch.params, updates)
+        for param, local_update in zip(batch.params, local_updates, strict=True):
+            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+            local = param.to_local()  # type: ignore[attr-defined]
+            local.mul_(1 - lr * group["weight_decay"])
+            local.add_(local_update, alpha=-adjusted_lr)
+
+    # -- collectives ------------------------------------------------------------
+    def _gather_to_owners(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """Full gradients on their owners (``None`` elsewhere); one asynchronous gather per parameter."""
+        shards = self.shards
+        works, received = [], []
+        for param, grad in zip(params, grads, strict=True):
+            owner = self.owner_of(param)
+            rows = _chunk_rows(param.shape[0], shards.size)
+            local = grad.to_local()  # type: ignore[attr-defined]
+            padded = local.new_zeros((max(rows), *param.shape[1:]))
+            padded[: local.shape[0]].copy_(local)
+            chunks = [torch.empty_like(padded) for _ in range(shards.size)] if owner == shards.rank else None
+            works.append(
+                dist.gather(
+                    _as_bytes(padded),
+                    [_as_bytes(chunk) for chunk in chunks] if chunks is not None else None,
+                    dst=shards.global_rank(owner),
+                    group=shards.group,
+                    async_op=True,
+                )
+            )
+            received.append((chunks, rows))
+        for work in works:
+            work.wait()
+        return [
+            torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)]) if chunks else None
+            for chunks, rows in received
+        ]
+
+    def _scatter_from_owners(
+        self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        """Each rank's rows of each owner's update; one asynchronous scatter per parameter."""
+        shards = self.shards
+        works, outputs = [], []
+        for param, update in zip(params, updates, strict=True):
+            owner = self.owner_of(param)
+            rows = _chunk_rows(param.shape[0], shards.size)
+            # Newton-Schulz returns bfloat16, whatever the parameter's dtype.
+            output = torch.empty((max(rows), *param.shape[1:]), dtype=torch.bfloat16, device=_local_device(param))
+            pieces = None
+            if update is not None:
+                pieces = [_padded_rows(block, max(rows)) for block in torch.split(update, rows)]
+            works.append(
+                dist.scatter(
+                    _as_bytes(output),
+                    [_as_bytes(piece) for piece in pieces] if pieces is not None else None,
+                    src=shards.global_rank(owner),
+                    group=shards.group,
+                    async_op=True,
+                )
+            )
+            outputs.append(output[: rows[shards.rank]])
+        for work in works:
+            work.wait()
+        return outputs
+
+
+def _owner_update(full_grad: torch.Tensor, buffer: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """The momentum step and orthogonalization of ``torch.optim.Muon``, on the whole matrix."""
+    buffer.lerp_(full_grad, 1 - group["momentum"])
+    update = full_grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+    return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+def _chunk_rows(total: int, parts: int) -> list[int]:
+    """Rows per rank under ``torch.chunk`` semantics (what ``Shard(0)`` uses), trailing ranks possibly empty."""
+    size = -(-total // parts)
+    return [max(0, min(size, total - rank * size)) for rank in range(parts)]
+
+
+def _padded_rows(block: torch.Tensor, rows: int) -> torch.Tensor:
+    padded = block.new_zeros((rows, *block.shape[1:]))
+    padded[: block.shape[0]].copy_(block)
+    return padded
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A byte view: collectives move exact bits whatever dtypes the transport supports."""
+    return tensor.contiguous().view(torch.uint8)
+
+
+def _local_device(param: torch.Tensor) -> torch.device:
+    local: torch.Tensor = param.to_local()  # type: ignore[attr-defined]
+    return local.device
+
+
+def _check_same_plan(plan: OwnerPlan) -> None:
+    """Every rank must have derived the same plan; otherwise fail on all ranks instead of hanging later."""
+    fingerprints: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(fingerprints, plan.fingerprint)
+    differing = sorted({rank for rank, seen in enumerate(fingerprints) if seen != fingerprints[0]})
+    if differing:
+        raise PlanMismatchError(
+            f"Distributed Muon owner plans differ between ranks (rank 0: {fingerprints[0]}, ranks {differing} "
+            "differ): every rank must build the optimizer over the same parameters in the same order"
+        )

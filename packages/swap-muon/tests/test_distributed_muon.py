@@ -1,0 +1,117 @@
+"""Distributed Muon on gloo: owner-rank updates of sharded params equal torch.optim.Muon on full params, bitwise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from swap_core import SwapConfig, SwapOptimizer
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal
+from swap_core.testing.distributed import run_distributed
+from swap_muon.distributed import DistributedMuonAdapter, PlanMismatchError
+from swap_muon.owner_plan import plan_owners
+
+pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
+
+# Uneven row counts on purpose: Shard(0) leaves the last ranks with fewer (or no) rows.
+SHAPES = [(40, 24), (17, 32), (48, 48), (3, 40), (24, 64)]
+OPTIONS: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+
+
+def _full(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _model(mesh: Any, use_fully_shard: bool) -> list[torch.nn.Parameter]:
+    """Sharded copies of the same full matrices: through FSDP2's fully_shard, or distribute_tensor."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = _full(0)
+    if use_fully_shard:
+        layers = torch.nn.ModuleList(torch.nn.Linear(s[1], s[0], bias=False) for s in SHAPES)
+        for layer, weight in zip(layers, full, strict=True):
+            layer.weight.data.copy_(weight)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        return [layer.weight for layer in layers]
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    return [torch.nn.Parameter(distribute_tensor(weight, mesh, placements)) for weight in full]
+
+
+def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fully_shard: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    reference_params = [torch.nn.Parameter(weight) for weight in _full(0)]
+    reference = torch.optim.Muon(reference_params, **OPTIONS)
+    sharded = _model(mesh, use_fully_shard)
+    config = SwapConfig(backend=SimBackend(mode="random", seed=rank), swap_times=2, min_numel=16)
+    opt = SwapOptimizer(torch.optim.Muon(sharded, **OPTIONS), config, DistributedMuonAdapter)
+    adapter = opt.adapter
+    assert isinstance(adapter, DistributedMuonAdapter)
+    for step in range(5):
+        for param, reference_param, grad in zip(sharded, reference_params, _full(100 + step), strict=True):
+            reference_param.grad = grad
+            param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+        reference.step()
+        opt.step()
+    where = f"rank {rank} mesh {mesh_shape} fully_shard={use_fully_shard}"
+    opt.synchronize()
+    owned_bytes = 0
+    for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
+        assert_bitwise_equal(reference_param, param.full_tensor(), f"{where}: parameter {index}")  # type: ignore[attr-defined]
+        state = opt.state[param]
+        if adapter.owner_of(param) == adapter.shards.rank:
+            momentum = reference.state[reference_param]["momentum_buffer"]
+            assert_bitwise_equal(momentum, state["momentum_buffer"], f"{where}: momentum {index}")
+            owned_bytes += momentum.numel() * momentum.element_size()
+        else:
+            assert "momentum_buffer" not in state, f"{where}: momentum {index} held by a rank that does not own it"
+    assert opt.stats.host_state_bytes >= owned_bytes > 0 or owned_bytes == 0
+    plans: list[object] = [None] * world_size
+    dist.all_gather_object(plans, adapter.plan.owners)
+    assert all(plan == plans[0] for plan in plans), f"{where}: plans differ {plans}"
+
+
+def _mismatch_body(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    params = [torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)])) for weight in _full(0)]
+    if rank == 1:
+        params.reverse()  # a different parameter order on one rank
+    with pytest.raises(PlanMismatchError, match="owner plans differ between ranks"):
+        SwapOptimizer(torch.optim.Muon(params), SwapConfig(backend="sim"), DistributedMuonAdapter)
+
+
+def _two_rank_checks(rank: int, world_size: int) -> None:
+    """One process group for every 2-rank check (starting ranks costs more than the checks)."""
+    _parity_body(rank, world_size, (2,), False)
+    _parity_body(rank, world_size, (2,), True)
+    _mismatch_body(rank, world_size)
+
+
+def test_fsdp_two_ranks_match_full_muon_and_detect_plan_mismatch() -> None:
+    run_distributed(_two_rank_checks, 2)
+
+
+def test_hsdp_two_by_two_matches_full_muon() -> None:
+    run_distributed(_parity_body, 4, (2, 2), True)
+
+
+def test_plan_is_balanced_and_deterministic() -> None:
+    shapes = [(64, 64), (64, 64), (32, 32), (32, 32), (16, 16)]
+    plan = plan_owners(shapes, [torch.float32] * 5, 2)
+    assert plan == plan_owners(shapes, [torch.float32] * 5, 2)
+    assert plan.owners == (0, 1, 0, 1, 0)
+    assert max(plan.loads) - min(plan.loads) <= 16**3
+    assert plan.fingerprint != plan_owners(shapes[::-1], [torch.float32] * 5, 2).fingerprint
