@@ -32,8 +32,13 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self) -> None:
+    def __init__(self, enable_timing: bool = False) -> None:
         self.recorded_on: object = None
+        self.enable_timing = enable_timing
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        assert self.enable_timing and end_event.enable_timing, "elapsed_time needs timing events"
+        return 2.5  # milliseconds
 
     def record(self, stream: object = None) -> None:
         self.recorded_on = stream
@@ -65,8 +70,8 @@ class FakeDeviceModule:
     def Stream(self, device: torch.device) -> FakeStream:
         return FakeStream(device)
 
-    def Event(self) -> FakeEvent:
-        return FakeEvent()
+    def Event(self, enable_timing: bool = False) -> FakeEvent:
+        return FakeEvent(enable_timing)
 
     def current_stream(self, device: torch.device) -> FakeStream:
         return self.current
@@ -341,3 +346,12 @@ def test_real_release_and_restore_change_allocated_bytes(real_backend: Accelerat
     tensor.fill_(1.0)
     assert tensor.sum().item() == float(1 << 20)
     assert real_backend.owns(tensor) and not real_backend.owns(tensor.cpu())
+
+
+def test_timing_events_measure_device_time_in_seconds() -> None:
+    module = FakeDeviceModule()
+    backend = AcceleratorBackend._from_module("cuda", module)  # type: ignore[arg-type]
+    start = backend.record_event(backend.compute_stream(), timing=True)
+    end = backend.record_event(backend.compute_stream(), timing=True)
+    assert backend.elapsed_seconds(start, end) == 0.0025
+    assert not backend.record_event(backend.compute_stream()).enable_timing  # type: ignore[attr-defined]

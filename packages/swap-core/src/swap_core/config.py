@@ -57,6 +57,9 @@ class SwapConfig:
     keep_staging: bool = False
     """Keep the device staging arenas allocated between steps (faster, holds device memory)."""
 
+    trace: bool = False
+    """Record each step's per-batch copy and update intervals in ``opt.trace`` (the step then waits for the device)."""
+
     backend: BackendSpec = "auto"
     """``"auto"`` (the parameters' device), ``"sim"``, ``"cuda"``, ``"npu"``, ``"xpu"`` or a backend."""
 
@@ -70,6 +73,7 @@ class SwapConfig:
         _validate_fraction(self.offload_fraction)
         _require_bool("duplex", self.duplex)
         _require_bool("keep_staging", self.keep_staging)
+        _require_bool("trace", self.trace)
         _validate_backend(self.backend)
 
     def replace(self, **overrides: object) -> SwapConfig:

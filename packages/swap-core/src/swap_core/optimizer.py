@@ -29,6 +29,7 @@ from .runtime.slots import SwapSlot
 from .runtime.store import StateSource, StateStore
 from .state_dict_loading import load_swapped_state
 from .stats import SwapStats
+from .trace import StepTrace
 
 __all__ = ["SwapOptimizer"]
 
@@ -68,6 +69,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.config = config
         self.adapter: StateSwapAdapter = adapter_factory(optimizer)
         self.stats = SwapStats()
+        self.trace: StepTrace | None = None
+        """The pipeline timeline of the last step when ``config.trace`` is on."""
         # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them.
         self._step_supports_amp_scaling = getattr(optimizer, "_step_supports_amp_scaling", False)
         self.backend: DeviceBackend | None = select_backend(config.backend, self._ordered_params())
@@ -116,9 +119,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._create_missing_states(params)
             plan = self._current_plan()
             stats = SwapStats()
-            self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging)
+            trace = StepTrace() if self.config.trace else None
+            self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace)
+            self.trace = trace
         stats.resident_state_device_bytes = self._resident_bytes
-        stats.host_state_bytes = self._store.host_bytes
+        stats.host_state_bytes = self._store.host_bytes if self._store is not None else 0
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
         self.stats = stats

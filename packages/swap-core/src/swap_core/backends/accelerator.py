@@ -42,6 +42,7 @@ class _DeviceStream(Protocol):
 
 class _DeviceEvent(Protocol):
     def record(self, stream: _DeviceStream | None = None) -> None: ...
+    def elapsed_time(self, end_event: _DeviceEvent) -> float: ...
 
     def query(self) -> bool: ...
 
@@ -59,7 +60,7 @@ class _DeviceModule(Protocol):
 
     def Stream(self, device: torch.device) -> _DeviceStream: ...
 
-    def Event(self) -> _DeviceEvent: ...
+    def Event(self, enable_timing: bool = False) -> _DeviceEvent: ...
 
     def current_stream(self, device: torch.device) -> _DeviceStream: ...
 
@@ -188,11 +189,16 @@ class AcceleratorBackend:
         with self._module.stream(_device_stream(stream)):
             dst.copy_(src, non_blocking=_can_copy_async(dst, src))
 
-    def record_event(self, stream: Stream) -> Event:
+    def record_event(self, stream: Stream, *, timing: bool = False) -> Event:
         """A new event recorded at the current end of ``stream``."""
-        event = self._module.Event()
+        event = self._module.Event(enable_timing=timing)
         event.record(_device_stream(stream))
         return event
+
+    def elapsed_seconds(self, start: Event, end: Event) -> float:
+        """Device time between two timing events."""
+        end.synchronize()
+        return cast(_DeviceEvent, start).elapsed_time(cast(_DeviceEvent, end)) / 1000.0
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Device-side wait: the host does not block."""

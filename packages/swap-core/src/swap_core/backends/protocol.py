@@ -115,8 +115,12 @@ class DeviceBackend(Protocol):
         """Enqueue ``dst.copy_(src)`` on ``stream`` (asynchronous when host memory is pinned)."""
         ...
 
-    def record_event(self, stream: Stream) -> Event:
-        """Record an event at the current end of ``stream``'s work."""
+    def record_event(self, stream: Stream, *, timing: bool = False) -> Event:
+        """Record an event at the current end of ``stream``'s work (``timing``: usable with :meth:`elapsed_seconds`)."""
+        ...
+
+    def elapsed_seconds(self, start: Event, end: Event) -> float:
+        """Time between two timing events (blocks until ``end`` completed)."""
         ...
 
     def wait_event(self, stream: Stream, event: Event) -> None:

@@ -27,6 +27,7 @@ import torch
 from ..backends.protocol import DeviceBackend, Event, Stream
 from ..errors import SwapStateError
 from ..stats import SwapStats
+from ..trace import StepTrace, TraceInterval
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
 
@@ -47,9 +48,19 @@ class PipelineScheduler:
         self._offloaded: list[SwapSlot] = []
         self._stranded: list[PlannedBatch] = []
         self._stranded_plan: SwapPlan | None = None
+        self._timeline: _Timeline | None = None
 
-    def run(self, plan: SwapPlan, update: UpdateFn, stats: SwapStats, *, keep_staging: bool) -> None:
-        """One step: every batch prefetched, updated and offloaded, in order."""
+    def run(
+        self,
+        plan: SwapPlan,
+        update: UpdateFn,
+        stats: SwapStats,
+        *,
+        keep_staging: bool,
+        trace: StepTrace | None = None,
+    ) -> None:
+        """One step: every batch prefetched, updated and offloaded, in order (timed into ``trace`` if given)."""
+        self._timeline = _Timeline(self.backend, self.compute) if trace is not None else None
         self._settle()
         packed = plan.arenas is not None
         if plan.arenas is not None:
@@ -76,6 +87,9 @@ class PipelineScheduler:
                 for index in range(max(len(batches) - 2, 0), len(batches)):
                     self._reclaim(batches[index], offloaded[index], packed=False)
         stats.batches = len(batches)
+        if trace is not None and self._timeline is not None:
+            trace.intervals.extend(self._timeline.intervals())
+        self._timeline = None
 
     def synchronize(self) -> None:
         """Block until every offload finished, so host mirrors are authoritative."""
@@ -93,29 +107,39 @@ class PipelineScheduler:
                     self.backend.restore_storage(view)
             # Fresh device memory belongs to the compute stream until the copy stream waits for it.
             self._after_compute(self.h2d)
+            started = self._mark(self.h2d)
+            nbytes = 0
             for host, device in batch.transfers:
                 self.backend.copy(device, host, stream=self.h2d)
-                stats.h2d_copies += 1
-                stats.h2d_bytes += host.numel() * host.element_size()
+                nbytes += host.numel() * host.element_size()
+            stats.h2d_copies += len(batch.transfers)
+            stats.h2d_bytes += nbytes
             transition(batch.slots, SlotState.HOST, SlotState.H2D)
+            self._span(batch, "h2d", started, self.h2d, nbytes)
             return self.backend.record_event(self.h2d)
 
     def _update(self, batch: PlannedBatch, prefetched: Event, update: UpdateFn) -> None:
         self.backend.wait_event(self.compute, prefetched)
         transition(batch.slots, SlotState.H2D, SlotState.DEVICE)
+        started = self._mark(self.compute)
         with torch.profiler.record_function("swap::update"), self.backend.compute_scope():
             update(batch)
+        self._span(batch, "update", started, self.compute, 0)
 
     def _offload(self, batch: PlannedBatch, stats: SwapStats) -> Event:
         with torch.profiler.record_function("swap::offload"):
             self._after_compute(self.d2h)
+            started = self._mark(self.d2h)
+            nbytes = 0
             for host, device in batch.transfers:
                 self.backend.copy(host, device, stream=self.d2h)
-                stats.d2h_copies += 1
-                stats.d2h_bytes += host.numel() * host.element_size()
+                nbytes += host.numel() * host.element_size()
+            stats.d2h_copies += len(batch.transfers)
+            stats.d2h_bytes += nbytes
             # Only once every copy is enqueued: a failed enqueue leaves the device copy authoritative.
             transition(batch.slots, SlotState.DEVICE, SlotState.D2H)
             self._offloaded.extend(batch.slots)
+            self._span(batch, "d2h", started, self.d2h, nbytes)
             return self.backend.record_event(self.d2h)
 
     def _reclaim(self, batch: PlannedBatch, offloaded: Event, *, packed: bool) -> None:
@@ -126,6 +150,13 @@ class PipelineScheduler:
         self.backend.wait_event(self.compute, offloaded)
         for view in batch.device_views:
             self.backend.release_storage(view)
+
+    def _mark(self, stream: Stream) -> Event | None:
+        return self._timeline.mark(stream) if self._timeline is not None else None
+
+    def _span(self, batch: PlannedBatch, phase: str, started: Event | None, stream: Stream, nbytes: int) -> None:
+        if self._timeline is not None and started is not None:
+            self._timeline.span(batch.index, phase, started, stream, nbytes)
 
     def _after_compute(self, stream: Stream) -> None:
         self.backend.wait_event(stream, self.backend.record_event(self.compute))
@@ -195,3 +226,25 @@ class PipelineScheduler:
             for view in batch.device_views:
                 if view.untyped_storage().nbytes() > 0:
                     self.backend.release_storage(view)
+
+
+class _Timeline:
+    """Timing events of one traced step, turned into intervals once the step's work is done."""
+
+    def __init__(self, backend: DeviceBackend, compute: Stream) -> None:
+        self._backend = backend
+        self._origin = backend.record_event(compute, timing=True)
+        self._spans: list[tuple[int, str, Event, Event, int]] = []
+
+    def mark(self, stream: Stream) -> Event:
+        return self._backend.record_event(stream, timing=True)
+
+    def span(self, batch: int, phase: str, started: Event, stream: Stream, nbytes: int) -> None:
+        self._spans.append((batch, phase, started, self.mark(stream), nbytes))
+
+    def intervals(self) -> list[TraceInterval]:
+        elapsed = self._backend.elapsed_seconds
+        return [
+            TraceInterval(batch, phase, elapsed(self._origin, start), elapsed(self._origin, end), nbytes)
+            for batch, phase, start, end, nbytes in self._spans
+        ]

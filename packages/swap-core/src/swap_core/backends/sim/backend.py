@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
@@ -309,12 +310,20 @@ class SimBackend:
         if pageable and self._race_checker is not None:
             self._race_checker.host_waits_for(sim_stream.name)
 
-    def record_event(self, stream: Stream) -> Event:
-        """An event at the current end of ``stream`` (always complete on the eager compute stream)."""
+    def record_event(self, stream: Stream, *, timing: bool = False) -> Event:
+        """An event at the current end of ``stream`` (always complete on the eager compute stream).
+
+        Every event carries the host clock at record time; ``timing`` changes nothing here.
+        """
         self._tick()
         sim_stream = self._own_stream(stream)
         snapshot = self._race_checker.snapshot(sim_stream.name) if self._race_checker is not None else None
-        return SimEvent(self, sim_stream, sim_stream.enqueued, snapshot)
+        return SimEvent(self, sim_stream, sim_stream.enqueued, snapshot, time.perf_counter())
+
+    def elapsed_seconds(self, start: Event, end: Event) -> float:
+        """Simulated time between two events: host time between their records (exact in sync mode)."""
+        self._own_event(end).synchronize()
+        return self._own_event(end).recorded_at - self._own_event(start).recorded_at
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """A copy stream queues the wait; the eager compute stream runs the event's stream up to it right away."""

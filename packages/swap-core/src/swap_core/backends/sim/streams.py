@@ -69,13 +69,17 @@ class EventOwner(Protocol):
 class SimEvent:
     """The point of ``stream``'s queue reached when the event was recorded."""
 
-    __slots__ = ("owner", "position", "snapshot", "stream")
+    __slots__ = ("owner", "position", "recorded_at", "snapshot", "stream")
 
-    def __init__(self, owner: EventOwner, stream: SimStream, position: int, snapshot: VectorClock | None) -> None:
+    def __init__(
+        self, owner: EventOwner, stream: SimStream, position: int, snapshot: VectorClock | None, recorded_at: float
+    ) -> None:
         self.owner = owner
         self.stream = stream
         self.position = position
         self.snapshot = snapshot
+        self.recorded_at = recorded_at
+        """Host clock when recorded: the simulated clock (faithful in sync mode, where work runs when issued)."""
 
     @property
     def done(self) -> bool:
