@@ -133,3 +133,10 @@ def demo(session: nox.Session) -> None:
     """Train a small model with swapped optimizer states; arguments go to examples/quickstart.py."""
     install_workspace(session)
     session.run("python", "examples/quickstart.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """swap-bench: swapped vs unswapped optimizer and the raw link, measured in one run (``-- --quick``)."""
+    install_workspace(session)
+    session.run("swap-bench", *session.posargs)

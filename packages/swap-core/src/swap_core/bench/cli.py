@@ -1,0 +1,118 @@
+"""``swap-bench`` / ``python -m swap_core.bench``: swapped vs unswapped steps, measured in one run."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from ..backends.protocol import DeviceBackend
+from ..errors import AdapterNotFoundError, UnsupportedOptimizerError
+from .link import measure_link
+from .measure import RowConfig, measure_row
+from .report import BenchReport, render_table
+from .workloads import OPTIMIZERS, QUICK_WORKLOADS, WORKLOADS, Workload
+
+__all__ = ["main", "plan_rows", "run_bench"]
+
+SLOW_ON_CPU = {("muon", "few_large"), ("muon", "mixed_bf16_fp32")}
+"""Newton-Schulz on 2048 x 2048 matrices takes seconds per step on a CPU: left out of simulator runs."""
+
+
+def plan_rows(
+    workloads: Sequence[Workload], optimizers: Sequence[str], *, quick: bool, on_cpu: bool
+) -> list[RowConfig]:
+    """A swap_times sweep (packed, duplex) plus per-tensor and single-stream rows at one swap_times."""
+    sweep = (2, 4) if quick else (2, 4, 8, 16)
+    reference = sweep[1] if quick else 4
+    rows: list[RowConfig] = []
+    for workload, name in itertools.product(workloads, optimizers):
+        if on_cpu and not quick and (name, workload.name) in SLOW_ON_CPU:
+            continue
+        optimizer = OPTIMIZERS[name]
+        rows.extend(RowConfig(workload, optimizer, k, True, True) for k in sweep)
+        rows.append(RowConfig(workload, optimizer, reference, False, True))
+        rows.append(RowConfig(workload, optimizer, reference, True, False))
+    return rows
+
+
+def run_bench(
+    rows: Sequence[RowConfig],
+    backend_factory: Callable[[], DeviceBackend],
+    *,
+    backend_name: str,
+    backend_detail: str,
+    quick: bool,
+    threads: int,
+    warmup: int,
+    repeats: int,
+    console: Console,
+) -> BenchReport:
+    link_bytes = 8 * 2**20 if quick else 256 * 2**20
+    report = BenchReport(backend_name, backend_detail, quick, threads, measure_link(backend_factory(), link_bytes))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(rows))
+        for row in rows:
+            progress.update(task, description=row.label)
+            try:
+                report.rows.append(measure_row(row, backend_factory, report.link, warmup=warmup, repeats=repeats))
+            except (AdapterNotFoundError, UnsupportedOptimizerError) as error:
+                report.skipped.append({"row": row.label, "reason": str(error).splitlines()[0]})
+            progress.advance(task)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="swap-bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a smoke run for CI")
+    parser.add_argument("--backend", default="auto", choices=("auto", "sim", "cuda", "npu", "xpu"))
+    parser.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=sorted(OPTIMIZERS))
+    parser.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the simulator's 'device')")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", default="swap-bench.json", help="where to write the JSON report")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    backend_name, detail, factory = _backend(args.backend)
+    table = QUICK_WORKLOADS if args.quick else WORKLOADS
+    workloads = [table[name] for name in args.workloads]
+    rows = plan_rows(workloads, args.optimizers, quick=args.quick, on_cpu=backend_name == "sim")
+    console = Console(width=None if Console().is_terminal else 160)
+    report = run_bench(
+        rows,
+        factory,
+        backend_name=backend_name,
+        backend_detail=detail,
+        quick=args.quick,
+        threads=args.threads,
+        warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 5),
+        console=console,
+    )
+    render_table(report, console)
+    console.print(f"JSON report: {report.save(args.json)}")
+    return 0
+
+
+def _backend(name: str) -> tuple[str, str, Callable[[], DeviceBackend]]:
+    """The backend to benchmark: a real accelerator when asked for or present (``auto``), else the simulator."""
+    if name == "auto":
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        name = accelerator.type if accelerator is not None else "sim"
+    if name == "sim":
+        from ..backends.sim import SimBackend
+
+        # Sync mode without checks or poison: the simulator adds nothing per op, so timings mean host cost.
+        return (
+            "sim",
+            "SimBackend(mode='sync', check_races=False, poison=False)",
+            lambda: SimBackend(mode="sync", check_races=False, poison=False),
+        )
+    from ..backends.accelerator import AcceleratorBackend
+
+    return name, f"AcceleratorBackend({name!r})", lambda: AcceleratorBackend(name)

@@ -1,0 +1,111 @@
+"""The benchmark's two outputs: a rich table for people, a JSON document for tools."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .link import LinkBandwidth
+from .measure import RowResult
+
+__all__ = ["SCHEMA", "BenchReport", "render_table"]
+
+SCHEMA = "swap-bench/1"
+"""Version tag of the JSON document; bumped when fields change meaning."""
+
+
+@dataclasses.dataclass
+class BenchReport:
+    backend: str
+    backend_detail: str
+    quick: bool
+    threads: int
+    link: LinkBandwidth
+    rows: list[RowResult] = dataclasses.field(default_factory=list)
+    skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "machine": {
+                "platform": platform.platform(),
+                "processor": platform.processor() or platform.machine(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "threads": self.threads,
+            },
+            "backend": self.backend,
+            "backend_detail": self.backend_detail,
+            "quick": self.quick,
+            "link": {
+                "h2d_gbps": self.link.h2d / 1e9,
+                "d2h_gbps": self.link.d2h / 1e9,
+                "duplex_gbps": self.link.duplex / 1e9,
+                "bytes": self.link.nbytes,
+            },
+            "rows": [row.as_dict() for row in self.rows],
+            "skipped": self.skipped,
+        }
+
+    def save(self, path: str | Path) -> Path:
+        target = Path(path)
+        target.write_text(json.dumps(self.to_json(), indent=2, allow_nan=False))
+        return target
+
+
+def render_table(report: BenchReport, console: Console) -> None:
+    link = report.link
+    console.print(
+        f"[bold]swap-bench[/] backend={report.backend} ({report.backend_detail}), threads={report.threads}; "
+        f"raw pinned copies: H2D {link.h2d / 1e9:.2f} GB/s, D2H {link.d2h / 1e9:.2f} GB/s, "
+        f"both at once {link.duplex / 1e9:.2f} GB/s"
+    )
+    table = Table(show_lines=False)
+    for title in (
+        "workload",
+        "opt",
+        "k",
+        "layout",
+        "plain ms",
+        "swapped ms",
+        "ratio",
+        "floor eff",
+        "H2D MB",
+        "copies",
+        "GB/s",
+        "ideal %",
+        "peak MB swapped/plain",
+    ):
+        table.add_column(title, justify="right" if title not in ("workload", "opt", "layout") else "left")
+    for row in report.rows:
+        table.add_row(*_cells(row))
+    console.print(table)
+    for skipped in report.skipped:
+        console.print(f"[yellow]skipped[/] {skipped['row']}: {skipped['reason']}")
+
+
+def _cells(row: RowResult) -> Sequence[str]:
+    layout = ("packed" if row.packed else "per-tensor") + ("" if row.duplex else " 1-stream")
+    return (
+        row.workload,
+        row.optimizer,
+        str(row.swap_times),
+        layout,
+        f"{row.plain_step_s * 1e3:.1f}",
+        f"{row.swapped_step_s * 1e3:.1f}",
+        f"{row.ratio:.2f}",
+        "-" if row.copy_floor_efficiency is None else f"{row.copy_floor_efficiency:.2f}",
+        f"{row.h2d_bytes / 2**20:.1f}",
+        f"{row.h2d_copies}+{row.d2h_copies}",
+        f"{row.achieved_gbps:.2f}",
+        f"{row.ideal_percent:.0f}",
+        f"{row.peak_state_device_bytes_swapped / 2**20:.1f}/{row.peak_state_device_bytes_unswapped / 2**20:.1f}",
+    )

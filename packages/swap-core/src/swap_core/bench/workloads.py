@@ -1,0 +1,97 @@
+"""What the benchmark swaps: parameter sets and the optimizers that own them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+TensorSpecs = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+"""``(shape, dtype)`` of every parameter of a workload."""
+
+__all__ = ["OPTIMIZERS", "QUICK_WORKLOADS", "WORKLOADS", "OptimizerSpec", "Workload", "transformer_shapes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A named parameter set: ``(shape, dtype)`` per parameter."""
+
+    name: str
+    tensors: TensorSpecs
+
+    @property
+    def numel(self) -> int:
+        return sum(torch.Size(shape).numel() for shape, _ in self.tensors)
+
+    def make_params(self, device: torch.device, seed: int = 0) -> list[torch.nn.Parameter]:
+        generator = torch.Generator().manual_seed(seed)
+        return [
+            torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype=dtype, device=device))
+            for shape, dtype in self.tensors
+        ]
+
+    def make_grads(self, params: Sequence[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        return [torch.randn(p.shape, generator=generator).to(dtype=p.dtype, device=p.device) * 1e-2 for p in params]
+
+
+def transformer_shapes(layers: int, width: int, vocab: int) -> TensorSpecs:
+    """The parameter shapes of a small GPT-style decoder (embeddings, attention, MLP, norms, head)."""
+    fp32 = torch.float32
+    block = [
+        ((3 * width, width), fp32),
+        ((3 * width,), fp32),
+        ((width, width), fp32),
+        ((width,), fp32),
+        ((4 * width, width), fp32),
+        ((4 * width,), fp32),
+        ((width, 4 * width), fp32),
+        ((width,), fp32),
+        ((width,), fp32),
+        ((width,), fp32),
+    ]
+    return (((vocab, width), fp32), *(block * layers), ((width,), fp32), ((vocab, width), fp32))
+
+
+def _uniform(count: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> TensorSpecs:
+    return tuple((shape, dtype) for _ in range(count))
+
+
+WORKLOADS: dict[str, Workload] = {
+    "many_small": Workload("many_small", _uniform(1000, (64, 64))),
+    "few_large": Workload("few_large", _uniform(16, (2048, 2048))),
+    "mixed_bf16_fp32": Workload(
+        "mixed_bf16_fp32", _uniform(64, (256, 256), torch.bfloat16) + _uniform(64, (256, 256), torch.float32)
+    ),
+    "transformer": Workload("transformer", transformer_shapes(layers=6, width=384, vocab=4096)),
+}
+"""Full-size workloads: 1,000 x 4,096 fp32, 16 x 4M fp32, mixed bf16/fp32, a small transformer."""
+
+QUICK_WORKLOADS: dict[str, Workload] = {
+    "many_small": Workload("many_small", _uniform(64, (32, 32))),
+    "few_large": Workload("few_large", _uniform(4, (256, 256))),
+    "mixed_bf16_fp32": Workload(
+        "mixed_bf16_fp32", _uniform(8, (64, 64), torch.bfloat16) + _uniform(8, (64, 64), torch.float32)
+    ),
+    "transformer": Workload("transformer", transformer_shapes(layers=2, width=64, vocab=256)),
+}
+"""Tiny versions for ``--quick`` (CI smoke: schemas and exact counts, not timings)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer family to benchmark; ``accepts`` filters the parameters it can own."""
+
+    name: str
+    build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    accepts: Callable[[torch.Tensor], bool] = lambda param: True
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec("adamw", lambda params: torch.optim.AdamW(params, lr=1e-3)),
+    "muon": OptimizerSpec(
+        "muon", lambda params: torch.optim.Muon(params, lr=1e-3), accepts=lambda param: param.dim() == 2
+    ),
+    "rmsprop": OptimizerSpec("rmsprop", lambda params: torch.optim.RMSprop(params, lr=1e-3)),
+}
