@@ -329,3 +329,26 @@ def test_adapter_partition_costs_drive_the_batches() -> None:
     batches = opt._current_plan().batches
     assert [len(batch.params) for batch in batches] == [4, 1]
     assert batches[1].params[0][1] is params[-1]
+
+
+class _RefusingAdapter(RMSpropAdapter):
+    """Refuses the third parameter when asked for its initial state."""
+
+    def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> Any:
+        if param.shape == SHAPES[2]:
+            raise ValueError("refused")
+        return super().initial_state(param, group)
+
+
+def test_adapter_refusing_a_fresh_state_leaves_no_partial_state() -> None:
+    params = make_params()
+    opt = SwapOptimizer(
+        torch.optim.RMSprop(params, lr=1e-2), SwapConfig(backend=SimBackend(), min_numel=64), _RefusingAdapter
+    )
+    set_grads(params, 0)
+    with pytest.raises(ValueError, match="refused"):
+        opt.step()
+    assert all(not opt.state[param] for param in params)
+    params[2].grad = None  # without the refused parameter the step works
+    opt.step()
+    assert set(opt.state[params[0]]) == {"step", "square_avg"}

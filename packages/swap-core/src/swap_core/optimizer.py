@@ -191,13 +191,21 @@ class SwapOptimizer(torch.optim.Optimizer):
         return found
 
     def _create_missing_states(self, params: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Fresh states of parameters seen with a gradient for the first time, swapped ones born on the host.
+
+        Every ``initial_state`` is asked first, so an adapter that refuses a parameter leaves no
+        half-initialized state behind.
+        """
         assert self._store is not None
+        fresh = [
+            (param, self.adapter.initial_state(param, self.param_groups[group_index]))
+            for group_index, param in params
+            if not self.state[param]
+        ]
         new: list[tuple[SwapSlot, StateSource]] = []
-        for group_index, param in params:
-            if self.state[param]:
-                continue
+        for param, initial in fresh:
             state = self.state[param]
-            for key, value in self.adapter.initial_state(param, self.param_groups[group_index]).items():
+            for key, value in initial.items():
                 state[key] = value
                 if not isinstance(value, StateInit):
                     continue
