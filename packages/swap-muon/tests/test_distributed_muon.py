@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from swap_core import SwapConfig, SwapOptimizer
+from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.errors import UnsupportedOptimizerError
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.distributed import run_distributed
@@ -54,7 +55,7 @@ def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fu
     reference = torch.optim.Muon(reference_params, **OPTIONS)
     sharded = _model(mesh, use_fully_shard)
     config = SwapConfig(backend=SimBackend(mode="random", seed=rank), swap_times=2, min_numel=16)
-    opt = SwapOptimizer(torch.optim.Muon(sharded, **OPTIONS), config, DistributedMuonAdapter)
+    opt = swap_optimizer(torch.optim.Muon(sharded, **OPTIONS), config)  # the entry point picks owner-rank Muon
     adapter = opt.adapter
     assert isinstance(adapter, DistributedMuonAdapter)
     for step in range(5):
@@ -93,14 +94,26 @@ def _mismatch_body(rank: int, world_size: int) -> None:
         SwapOptimizer(torch.optim.Muon(params), SwapConfig(backend="sim"), DistributedMuonAdapter)
 
 
+def _unsupported_placement_body(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    params = [torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)])) for weight in _full(0)]
+    params[1] = torch.nn.Parameter(distribute_tensor(_full(0)[1], mesh, [Shard(1)]))
+    with pytest.raises(UnsupportedOptimizerError, match=r"Parameter 1 \(17, 32\) has placements \(Shard\(dim=1\),\)"):
+        swap_optimizer(torch.optim.Muon(params), SwapConfig(backend="sim"))
+
+
 def _two_rank_checks(rank: int, world_size: int) -> None:
     """One process group for every 2-rank check (starting ranks costs more than the checks)."""
     _parity_body(rank, world_size, (2,), False)
     _parity_body(rank, world_size, (2,), True)
     _mismatch_body(rank, world_size)
+    _unsupported_placement_body(rank, world_size)
 
 
-def test_fsdp_two_ranks_match_full_muon_and_detect_plan_mismatch() -> None:
+def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:
     run_distributed(_two_rank_checks, 2)
 
 
