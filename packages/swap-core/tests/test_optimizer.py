@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -352,3 +353,27 @@ def test_adapter_refusing_a_fresh_state_leaves_no_partial_state() -> None:
     params[2].grad = None  # without the refused parameter the step works
     opt.step()
     assert set(opt.state[params[0]]) == {"step", "square_avg"}
+
+
+class _FailingUpdateAdapter(RMSpropAdapter):
+    def update(self, batch: Any) -> None:
+        staged = [state["square_avg"] for state in batch.states]  # device views, released after the failure
+        assert staged
+        raise RuntimeError("update failed")
+
+
+def test_failed_update_leaves_no_released_storage_in_traceback_locals() -> None:
+    params = make_params()
+    opt = SwapOptimizer(
+        torch.optim.RMSprop(params, lr=1e-2), SwapConfig(backend=SimBackend(), min_numel=64), _FailingUpdateAdapter
+    )
+    set_grads(params, 0)
+    with pytest.raises(RuntimeError, match="update failed") as caught:
+        opt.step()
+    # Showing these locals (pytest --showlocals, a debugger) must not read freed memory.
+    for frame, _ in traceback.walk_tb(caught.value.__traceback__):
+        for value in frame.f_locals.values():
+            values = value if isinstance(value, list) else [value]
+            for item in values:
+                if isinstance(item, torch.Tensor) and item.numel():
+                    assert item.untyped_storage().nbytes() > 0, f"{frame.f_code.co_name} holds a released tensor"

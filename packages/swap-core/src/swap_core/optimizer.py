@@ -270,10 +270,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         store = self._new_store(self._swap_keys())
         groups, state = load_swapped_state(self, store, state_dict, self._ordered_params())
         self._store = store
-        self.state.clear()
-        self.state.update(state)
+        # Finish as torch's load_state_dict does: the wrapped optimizer's __setstate__ fills option
+        # defaults missing from older checkpoints (and AdamW forces decoupled weight decay).
+        self.optimizer.__setstate__({"state": state, "param_groups": groups})
+        self.state = self.optimizer.state
+        self.param_groups = self.optimizer.param_groups
         store.attach(self.state)
-        self.param_groups[:] = groups
         self._plan = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

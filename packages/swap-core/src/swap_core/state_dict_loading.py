@@ -36,10 +36,10 @@ def load_swapped_state(
     groups = optimizer.param_groups
     saved_groups = state_dict["param_groups"]
     _check_group_sizes(groups, saved_groups)
-    id_map: dict[object, tuple[torch.Tensor, dict[str, Any]]] = {}
+    id_map: dict[object, tuple[torch.Tensor, dict[str, Any], Mapping[str, Any]]] = {}
     for group, saved in zip(groups, saved_groups, strict=True):
         for saved_id, param in zip(saved["params"], group["params"], strict=True):
-            id_map[saved_id] = (param, group)
+            id_map[saved_id] = (param, group, saved)
     staged: StagedState = defaultdict(dict)
     store.attach(staged)
     new: list[tuple[SwapSlot, StateSource]] = []
@@ -48,10 +48,11 @@ def load_swapped_state(
             raise StateDictMismatchError(
                 f"Loaded state dict has state for parameter id {saved_id!r}, which none of its param groups lists"
             )
-        param, group = id_map[saved_id]
+        param, group, saved_group = id_map[saved_id]
         expected = optimizer.adapter.initial_state(param, group)
         for key, value in saved_state.items():
-            staged[param][key] = _stage_value(store, new, param, group, key, value, expected.get(key), saved_id)
+            # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
+            staged[param][key] = _stage_value(store, new, param, saved_group, key, value, expected.get(key), saved_id)
     store.add(new, order)
     new_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
     return new_groups, staged

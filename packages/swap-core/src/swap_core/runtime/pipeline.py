@@ -20,6 +20,7 @@ releases it once its offload is done.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Callable, Iterator
 
 import torch
@@ -179,8 +180,11 @@ class PipelineScheduler:
     def _recover_on_error(self, plan: SwapPlan) -> Iterator[None]:
         try:
             yield
-        except BaseException:
+        except BaseException as error:
             self._recover(plan)
+            # The failed update's frames still reference staging views whose storage is now released;
+            # showing their locals (a debugger, pytest --showlocals) would read freed memory. Drop them.
+            traceback.clear_frames(error.__traceback__)
             raise
 
     def _recover(self, plan: SwapPlan) -> None:

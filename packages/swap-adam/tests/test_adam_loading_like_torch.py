@@ -1,7 +1,7 @@
-"""Where swapped Adam still differs from torch.optim.Adam because of swap-core (not swap-adam).
+"""Loading behaviour swap-core must share with torch.optim.Adam (found as gaps, fixed in swap-core).
 
-Each test states torch's behaviour and is a strict xfail: it fails the suite as soon as
-swap-core is fixed, so the mark is removed then. Details in each reason.
+A checkpoint without newer option keys gets the wrapped optimizer's defaults (its ``__setstate__``),
+and state casting follows the saved groups' ``fused``/``capturable`` as in torch.
 """
 
 from __future__ import annotations
@@ -27,14 +27,6 @@ def _both(run: Any) -> tuple[Any, Any]:
     return run(False), run(True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="swap-core: SwapOptimizer.load_state_dict does not run the wrapped optimizer's __setstate__, which "
-    "torch.optim.Optimizer.load_state_dict ends with; Adam's defaults for option keys missing from older "
-    "checkpoints (maximize, foreach, capturable, differentiable, fused, decoupled_weight_decay) and AdamW's "
-    "decoupled_weight_decay=True are never applied",
-)
 def test_a_checkpoint_without_newer_option_keys_loads_as_into_torch() -> None:
     def run(swapped: bool) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
@@ -58,13 +50,6 @@ def test_a_checkpoint_without_newer_option_keys_loads_as_into_torch() -> None:
     assert_state_dicts_equal(expected, actual, "old checkpoint")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="swap-core: state_dict_loading._cast_like_torch takes fused/capturable from the live param group; "
-    "torch (Optimizer._process_value_according_to_param_policy) takes them from the loaded state dict's groups, "
-    "so a non-fused checkpoint loaded into a fused optimizer gets a float32 step where torch keeps its dtype",
-)
 def test_step_of_a_non_fused_checkpoint_keeps_its_dtype_in_a_fused_optimizer() -> None:
     def run(swapped: bool) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(0)
