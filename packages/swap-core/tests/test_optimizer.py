@@ -291,26 +291,31 @@ def test_state_dict_exports_the_host_mirrors_without_copying() -> None:
     assert exported.data_ptr() == opt.state[params[0]]["square_avg"].data_ptr()
 
 
-def test_ineligible_existing_states_stay_resident_and_are_updated() -> None:
+def test_existing_view_states_are_swapped_and_non_contiguous_ones_stay_resident() -> None:
     plain_params, swapped_params = make_params(), make_params()
     plain = torch.optim.RMSprop(plain_params, lr=1e-2, momentum=0.5)
     inner = torch.optim.RMSprop(swapped_params, lr=1e-2, momentum=0.5)
     for params, optimizer in ((plain_params, plain), (swapped_params, inner)):
         set_grads(params, 0)
         optimizer.step()
-    # A state that is a view into a larger buffer does not own its storage: it cannot be swapped.
+    # A view into a larger buffer (as torch.load gives for a whole checkpoint) is copied to host memory.
     shared = torch.zeros(2, *swapped_params[0].shape)
-    shared[0].copy_(inner.state[swapped_params[0]]["square_avg"])
-    inner.state[swapped_params[0]]["square_avg"] = shared[0]
-    opt = swap_optimizer(inner, SwapConfig(backend=SimBackend(), swap_times=2, min_numel=64))
-    assert opt.state[swapped_params[0]]["square_avg"].data_ptr() == shared[0].data_ptr()
+    shared[1].copy_(inner.state[swapped_params[0]]["square_avg"])
+    inner.state[swapped_params[0]]["square_avg"] = shared[1]
+    # A non-contiguous state keeps its layout on the device.
+    transposed = inner.state[swapped_params[2]]["square_avg"].t().contiguous().t()
+    inner.state[swapped_params[2]]["square_avg"] = transposed
+    backend = SimBackend()
+    opt = swap_optimizer(inner, SwapConfig(backend=backend, swap_times=2, min_numel=64))
+    assert backend.memory_kind(opt.state[swapped_params[0]]["square_avg"]) is MemoryKind.HOST
+    assert opt.state[swapped_params[2]]["square_avg"] is transposed
     for step in range(1, 4):
         set_grads(plain_params, step)
         set_grads(swapped_params, step)
         plain.step()
         opt.step()
     assert_params_equal(plain_params, swapped_params)
-    assert_bitwise_equal(plain.state[plain_params[0]]["square_avg"], shared[0], "resident view state")
+    assert_state_dicts_equal(plain.state_dict(), opt.state_dict(), "after wrapping view and strided states")
 
 
 class _CostAdapter(RMSpropAdapter):
@@ -377,3 +382,17 @@ def test_failed_update_leaves_no_released_storage_in_traceback_locals() -> None:
             for item in values:
                 if isinstance(item, torch.Tensor) and item.numel():
                     assert item.untyped_storage().nbytes() > 0, f"{frame.f_code.co_name} holds a released tensor"
+
+
+def test_checkpoint_loaded_into_plain_then_wrapped_is_swapped_again() -> None:
+    params = make_params()
+    opt = wrapped(params)
+    set_grads(params, 0)
+    opt.step()
+    # torch.load returns views into one storage per dtype: they must swap like any state.
+    plain = torch.optim.RMSprop(params, lr=1e-2, momentum=0.5)
+    plain.load_state_dict(through_torch_save(opt.state_dict()))
+    rewrapped = swap_optimizer(plain, SwapConfig(backend=SimBackend(), swap_times=2, min_numel=64))
+    set_grads(params, 1)
+    rewrapped.step()
+    assert rewrapped.stats.host_state_bytes == opt.stats.host_state_bytes > 0

@@ -80,6 +80,15 @@ def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fu
     plans: list[object] = [None] * world_size
     dist.all_gather_object(plans, adapter.plan.owners)
     assert all(plan == plans[0] for plan in plans), f"{where}: plans differ {plans}"
+    # The per-rank state dict (owners hold whole momentum) loads back, and training continues exactly.
+    opt.load_state_dict(opt.state_dict())
+    for param, reference_param, grad in zip(sharded, reference_params, _full(200), strict=True):
+        reference_param.grad = grad
+        param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+    reference.step()
+    opt.step()
+    for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
+        assert_bitwise_equal(reference_param, param.full_tensor(), f"{where}: parameter {index} after reload")  # type: ignore[attr-defined]
 
 
 def _mismatch_body(rank: int, world_size: int) -> None:

@@ -91,10 +91,15 @@ def _stage_value(
             f"but the parameter needs {expected.shape}"
         )
     if key != "step" and param.is_floating_point():
-        template = StateInit(tuple(value.shape), param.dtype)
+        # A state the adapter holds whole on this rank (not sharded like its DTensor parameter).
+        whole = isinstance(expected, StateInit) and not expected.shard_like_param
+        template = StateInit(tuple(value.shape), param.dtype, shard_like_param=not whole)
         if store.should_swap(key, template):
             host_value = local_tensor(value).to(dtype=param.dtype)
-            slot = SwapSlot(param, key, local_tensor(param).shape, param.dtype, shard_layout(param))
+            if whole:
+                slot = SwapSlot(param, key, torch.Size(value.shape), param.dtype)
+            else:
+                slot = SwapSlot(param, key, local_tensor(param).shape, param.dtype, shard_layout(param))
             if host_value.shape != slot.shape:
                 raise StateDictMismatchError(
                     f"State {key!r} of parameter {saved_id!r} has a local shard of shape {tuple(host_value.shape)}, "

@@ -91,14 +91,14 @@ def transition(slots: Iterable[SwapSlot], source: SlotState, target: SlotState) 
 
 
 def is_swappable(tensor: torch.Tensor, *, min_numel: int) -> bool:
-    """Whether a state tensor can live in host memory between steps.
+    """Whether an existing state tensor can move to host memory between steps.
 
-    It must be floating point, dense, contiguous, own its whole storage (so
-    releasing or replacing it frees exactly its bytes) and be large enough that
-    moving it pays off.
+    It must be floating point, dense, contiguous (host mirrors and staging views
+    are contiguous, and fused kernels expect the layout they were given) and
+    large enough that moving it pays off. It need not own its storage: its
+    values are copied into swap's own host buffer and the entry in ``state`` is
+    replaced, so a view into a loaded checkpoint's storage swaps too.
     """
     if not tensor.is_floating_point() or tensor.layout is not torch.strided:
         return False
-    if not tensor.is_contiguous() or tensor.numel() < max(min_numel, 1):
-        return False
-    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor.is_contiguous() and tensor.numel() >= max(min_numel, 1)
