@@ -1,7 +1,8 @@
 """The one task runner of the swap monorepo.
 
 ``nox`` runs lint, typecheck, tests (one session per package), integration and docs.
-``nox -s demo`` runs the quickstart example; ``nox -l`` lists every session.
+``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py);
+``nox -l`` lists every session.
 Arguments after ``--`` reach the tool, e.g. ``nox -s "tests(package='swap-core')" -- --backend cuda``.
 
 torch is pinned in exactly one place (``TORCH`` below) and installed with pip before
@@ -28,6 +29,7 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
 DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
+PLOT_TOOLS = ("matplotlib",)  # examples/train_gpt.py writes PNG plots
 
 CORE_PACKAGE = "swap-core"
 LINT_TARGETS = ("packages", "integration-tests", "examples", "noxfile.py", "conftest.py")
@@ -110,7 +112,8 @@ def integration(session: nox.Session) -> None:
         # that is the expected state until the first cross-package test lands.
         session.log("integration-tests/ holds no test modules yet: nothing to run, not running pytest.")
         return
-    install_workspace(session, *TEST_TOOLS)
+    # matplotlib: test_demo.py runs examples/train_gpt.py, which writes PNG plots.
+    install_workspace(session, *TEST_TOOLS, *PLOT_TOOLS)
     try:
         session.run("pytest", "integration-tests", *session.posargs)
     except nox.command.CommandFailed as failure:
@@ -130,9 +133,12 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Train a small model with swapped optimizer states; arguments go to examples/quickstart.py."""
-    install_workspace(session)
-    session.run("python", "examples/quickstart.py", *session.posargs)
+    """Train a small GPT with plain and swapped AdamW, check parity, plot; arguments go to examples/train_gpt.py.
+
+    ``nox -s demo -- --quick`` runs 20 steps; the plots and summary.json land in out/demo/.
+    """
+    install_workspace(session, *PLOT_TOOLS)
+    session.run("python", "examples/train_gpt.py", *session.posargs)
 
 
 @nox.session

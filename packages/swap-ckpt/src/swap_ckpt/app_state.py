@@ -1,0 +1,86 @@
+"""``AppState``: a model and its (swapped) optimizers as one DCP ``Stateful``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .host_snapshot import host_snapshot
+from .init_guard import check_uniform_state_init
+
+__all__ = ["AppState"]
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+
+
+class AppState(Stateful):
+    """A model and one or several optimizers (swapped or plain), FQN-keyed, for ``dcp.save`` / ``dcp.load``.
+
+    ::
+
+        dcp.save({"app": AppState(model, [muon, adamw])}, checkpoint_id=path)
+        dcp.load({"app": AppState(model, [muon, adamw])}, checkpoint_id=path)
+
+    The state-dict story: :meth:`state_dict` is torch's
+    ``get_state_dict(model, optimizers)`` (FQN-keyed; a missing optimizer state
+    is created by torch's zero-gradient, lr-0 step, which a swapped optimizer
+    runs as a normal swapped step: bitwise what the plain optimizer gets, with a
+    step's device bound). Its optimizer tensors are private host copies of
+    the swapped host mirrors (:mod:`swap_ckpt.host_snapshot`): an async save
+    reads the state as it was at the call, whatever steps follow, and a load
+    writes into the copies, never into live state. :meth:`load_state_dict`
+    hands them to ``set_state_dict``, whose ``optimizer.load_state_dict`` checks
+    everything and stages swapped states straight into host memory, or raises
+    with the live state untouched. Model parameters load in place, as with
+    torch's own helpers.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        *,
+        options: StateDictOptions | None = None,
+    ) -> None:
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        optimizers = list(optimizers)
+        for index, optimizer in enumerate(optimizers):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizers[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not optimizers:
+            raise ValueError(
+                "AppState needs at least one optimizer; checkpoint a model alone with get_model_state_dict"
+            )
+        self.model = model
+        self.optimizers = optimizers
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": ..., "optim": ...}`` FQN-keyed; optimizer tensors are host copies of the current state."""
+        check_uniform_state_init(self.optimizers)
+        model_state, optim_state = get_state_dict(self.model, self.optimizers, options=self.options)
+        return {MODEL_KEY: model_state, OPTIM_KEY: host_snapshot(dict(optim_state))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict of :meth:`state_dict`'s form (as ``dcp.load`` fills it) into the model and optimizers."""
+        missing = [key for key in (MODEL_KEY, OPTIM_KEY) if key not in state_dict]
+        if missing:
+            raise KeyError(f"AppState.load_state_dict needs keys {[MODEL_KEY, OPTIM_KEY]}; missing {missing}")
+        check_uniform_state_init(self.optimizers)
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state_dict[MODEL_KEY],
+            optim_state_dict=state_dict[OPTIM_KEY],
+            options=self.options,
+        )

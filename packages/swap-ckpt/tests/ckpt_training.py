@@ -1,0 +1,83 @@
+"""The small FSDP2 training run every swap-ckpt test checkpoints: models, optimizers, steps, snapshots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.utils._pytree import tree_map_only
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+
+IN_FEATURES = 16
+HIDDEN = 64
+LR = 1e-2
+
+
+def build_layers(*, hidden: int = HIDDEN, extra_layer: bool = False, drop_last: bool = False) -> torch.nn.Sequential:
+    """The reference model ``Linear(16, 64) -> ReLU -> Linear(64, 16)``, or a variant of another model."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(IN_FEATURES, hidden), torch.nn.ReLU()]
+    if not drop_last:
+        layers.append(torch.nn.Linear(hidden, IN_FEATURES))
+    if extra_layer:
+        layers.append(torch.nn.Linear(IN_FEATURES, IN_FEATURES))
+    return torch.nn.Sequential(*layers)
+
+
+def shard(model: torch.nn.Sequential, world_size: int) -> torch.nn.Sequential:
+    """FSDP2 over a 1-D CPU mesh: every Linear its own unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def adamw(model: torch.nn.Module, *, swapped: bool, seed: int = 0) -> torch.optim.Optimizer:
+    """AdamW, swapped through a random-order simulated accelerator (the 16-element bias stays resident)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    if not swapped:
+        return optimizer
+    config = SwapConfig(backend=SimBackend(mode="random", seed=seed), swap_times=2, min_numel=32)
+    return swap_optimizer(optimizer, config)
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int, steps: int, rank: int) -> None:
+    """``steps`` steps whose inputs depend only on the step index and the rank."""
+    for step in range(first_step, first_step + steps):
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        inputs = torch.randn(8, IN_FEATURES, generator=generator)
+        model(inputs).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def local_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """FQN-keyed model and optimizer state of this rank as plain tensors (local shards), cloned."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    snapshot: dict[str, Any] = tree_map_only(
+        torch.Tensor, _local_clone, {"model": dict(model_state), "optim": dict(optim_state)}
+    )
+    return snapshot
+
+
+def assert_snapshots_equal(expected: dict[str, Any], actual: dict[str, Any], context: str) -> None:
+    """Same model FQNs with bitwise-equal tensors, and bitwise-equal optimizer state dicts."""
+    assert list(expected["model"]) == list(actual["model"]), f"{context}: model FQNs differ"
+    for fqn, tensor in expected["model"].items():
+        assert_bitwise_equal(tensor, actual["model"][fqn], f"{context}: model {fqn}")
+    assert_state_dicts_equal(expected["optim"], actual["optim"], f"{context}: optimizer")
+
+
+def _local_clone(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    local: torch.Tensor = to_local() if callable(to_local) else tensor
+    return local.detach().clone()
