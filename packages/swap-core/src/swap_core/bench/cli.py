@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         quick=args.quick,
         threads=args.threads,
         warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
-        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 5),
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 9),
         console=console,
     )
     render_table(report, console)
