@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_map, tree_map_only
 
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.sim import SimBackend
@@ -28,12 +28,19 @@ def build_layers(*, hidden: int = HIDDEN, extra_layer: bool = False, drop_last: 
     return torch.nn.Sequential(*layers)
 
 
-def shard(model: torch.nn.Sequential, world_size: int) -> torch.nn.Sequential:
-    """FSDP2 over a 1-D CPU mesh: every Linear its own unit, then the root."""
+def shard(model: torch.nn.Sequential, world_size: int, *, replicas: int = 1) -> torch.nn.Sequential:
+    """FSDP2 over a 1-D CPU mesh, or HSDP over a 2-D ``(replicas, world_size // replicas)`` one.
+
+    Every Linear is its own unit, then the root.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:
+        shape = (replicas, world_size // replicas)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -69,6 +76,27 @@ def local_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return snapshot
 
 
+def full_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`local_snapshot` with every DTensor gathered (``full_tensor()``): a collective, call it on all ranks."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    snapshot: dict[str, Any] = tree_map_only(
+        torch.Tensor, _full_clone, {"model": dict(model_state), "optim": dict(optim_state)}
+    )
+    return snapshot
+
+
+def gathered(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The full tensors of the ``local_snapshot``s of every rank of a 1-D mesh (Shard(0), even sizes: concatenation)."""
+
+    def full(*shards: Any) -> Any:
+        if isinstance(shards[0], torch.Tensor) and shards[0].dim() > 0:
+            return torch.cat(shards)
+        return shards[0]
+
+    result: dict[str, Any] = tree_map(full, per_rank[0], *per_rank[1:])
+    return result
+
+
 def assert_snapshots_equal(expected: dict[str, Any], actual: dict[str, Any], context: str) -> None:
     """Same model FQNs with bitwise-equal tensors, and bitwise-equal optimizer state dicts."""
     assert list(expected["model"]) == list(actual["model"]), f"{context}: model FQNs differ"
@@ -81,3 +109,9 @@ def _local_clone(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)
     local: torch.Tensor = to_local() if callable(to_local) else tensor
     return local.detach().clone()
+
+
+def _full_clone(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    full: torch.Tensor = full_tensor() if callable(full_tensor) else tensor
+    return full.detach().clone()

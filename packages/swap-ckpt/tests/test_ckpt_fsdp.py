@@ -5,6 +5,8 @@ Two process worlds, as in a real restart: the first trains 5 steps, saves
 ``torch.save``; it also checks interop with plain AdamW, the device bound
 of saving, and refused checkpoints. The second world, new processes, loads
 the checkpoints and trains the same 5 steps: bitwise the uninterrupted run.
+Resharding: the 2-rank checkpoint loads into one unsharded process and into
+FSDP2 over 4 ranks with the gathered values of the 2-rank run.
 """
 
 from __future__ import annotations
@@ -17,8 +19,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ckpt_training import HIDDEN, IN_FEATURES, adamw, assert_snapshots_equal, build_layers, local_snapshot, shard, train
-from torch.utils._pytree import tree_map
+from ckpt_training import (
+    HIDDEN,
+    IN_FEATURES,
+    adamw,
+    assert_snapshots_equal,
+    build_layers,
+    full_snapshot,
+    gathered,
+    local_snapshot,
+    shard,
+    train,
+)
 
 from swap_ckpt import AppState, CheckpointFileError, CheckpointMismatchError, StateInitDivergenceError, load_checkpoint
 from swap_core import SwapOptimizer
@@ -169,27 +181,26 @@ def _second_world(rank: int, world_size: int, directory: Path) -> None:
         assert load_peak == optimizer.stats.peak_state_device_bytes > 0, (rank, load_peak)  # type: ignore[attr-defined]
 
 
-def _gathered(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """The full tensors of ``local_snapshot``s of every rank (Shard(0), even sizes: concatenation)."""
-
-    def full(*shards: Any) -> Any:
-        if isinstance(shards[0], torch.Tensor) and shards[0].dim() > 0:
-            return torch.cat(shards)
-        return shards[0]
-
-    result: dict[str, Any] = tree_map(full, per_rank[0], *per_rank[1:])
-    return result
-
-
 def _resharded_to_one_process(directory: Path) -> None:
     """The 2-rank checkpoint loads into an unsharded model in one process: the gathered values."""
     per_rank = [torch.load(directory / f"expected_{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
     model = build_layers()
     optimizer = adamw(model, swapped=True)
     load_checkpoint({"app": AppState(model, optimizer)}, directory / "swapped")
-    gathered = _gathered([run["at_save"] for run in per_rank])
-    assert gathered["optim"]["state"]["0.weight"]["exp_avg"].shape == (HIDDEN, IN_FEATURES)
-    assert_snapshots_equal(gathered, local_snapshot(model, optimizer), "2 -> 1")
+    at_save = gathered([run["at_save"] for run in per_rank])
+    assert at_save["optim"]["state"]["0.weight"]["exp_avg"].shape == (HIDDEN, IN_FEATURES)
+    assert_snapshots_equal(at_save, local_snapshot(model, optimizer), "2 -> 1")
+
+
+def _resharded_to_four_ranks(rank: int, world_size: int, directory: Path) -> None:
+    """The 2-rank checkpoint loads into FSDP2 over 4 ranks: the gathered values, each rank its quarter."""
+    per_rank = [torch.load(directory / f"expected_{saved}.pt", weights_only=True) for saved in range(WORLD_SIZE)]
+    model, optimizer = _reference(world_size, swapped=True, rank=rank)
+    load_checkpoint({"app": AppState(model, optimizer)}, directory / "swapped")
+    local_state = local_snapshot(model, optimizer)["optim"]["state"]["0.weight"]["exp_avg"]
+    assert local_state.shape == (HIDDEN // world_size, IN_FEATURES), local_state.shape
+    at_save = gathered([run["at_save"] for run in per_rank])
+    assert_snapshots_equal(at_save, full_snapshot(model, optimizer), f"rank {rank} 2 -> {world_size}")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -197,3 +208,4 @@ def test_fsdp2_swapped_adamw_checkpoints(tmp_path: Path) -> None:
     run_distributed(_first_world, WORLD_SIZE, tmp_path)
     run_distributed(_second_world, WORLD_SIZE, tmp_path)
     _resharded_to_one_process(tmp_path)
+    run_distributed(_resharded_to_four_ranks, 4, tmp_path)

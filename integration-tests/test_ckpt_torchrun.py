@@ -1,0 +1,51 @@
+"""FSDP2 + swapped AdamW under torchrun: checkpoint with DCP, stop, resume in new processes, bitwise.
+
+Cross-package on purpose: swap-core's simulated accelerator, swap-adam's AdamW
+adapter found through the entry point, swap-ckpt's ``AppState`` and
+``load_checkpoint``, launched as a user launches them
+(``python -m torch.distributed.run --standalone``, 2 gloo processes on CPU).
+Skipped when swap-adam or swap-ckpt is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+
+pytest.importorskip("swap_adam")
+pytest.importorskip("swap_ckpt")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_fsdp_ckpt.py"
+
+
+def _torchrun(phase: str, directory: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(SCRIPT), "--phase", phase, "--dir", str(directory)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment)
+    assert completed.returncode == 0, f"phase {phase!r} failed:\n{completed.stdout}\n{completed.stderr}"
+
+
+def test_resume_in_new_processes_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    _torchrun("first", tmp_path)
+    assert (tmp_path / "checkpoint" / ".metadata").is_file()
+    _torchrun("resume", tmp_path)
+    _torchrun("uninterrupted", tmp_path)
+
+    resumed = torch.load(tmp_path / "resume.pt", weights_only=True)
+    uninterrupted = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)
+    assert list(resumed["model"]) == list(uninterrupted["model"])
+    assert "blocks.1.linear2.weight" in uninterrupted["model"]
+    for fqn, parameter in uninterrupted["model"].items():
+        assert_bitwise_equal(parameter, resumed["model"][fqn], f"parameter {fqn}")
+    assert_state_dicts_equal(uninterrupted["optim"], resumed["optim"], "optimizer")
+    assert int(uninterrupted["optim"]["state"]["head.weight"]["step"]) == 10
