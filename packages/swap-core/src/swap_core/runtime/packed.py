@@ -15,7 +15,15 @@ import torch
 from ..backends.protocol import DeviceBackend
 from .slots import SwapSlot
 
-__all__ = ["ARENA_ALIGN_BYTES", "SLOT_ALIGN_BYTES", "PackedHost", "StagingArenas", "align_up"]
+__all__ = [
+    "ARENA_ALIGN_BYTES",
+    "SLOT_ALIGN_BYTES",
+    "PackedHost",
+    "StagingArenas",
+    "align_up",
+    "arena_bytes",
+    "arena_layout",
+]
 
 SLOT_ALIGN_BYTES = 64
 """Alignment of each state inside a packed buffer (keeps vectorized kernels on their fast path)."""
@@ -64,28 +72,29 @@ class PackedHost:
 class StagingArenas:
     """Two device buffers (one for a single batch) whose storage lives only during a step.
 
-    The arena tensors and every view into them are created once; between steps
-    only their storage is released, so a step creates no Python views at all.
+    Each batch lays its dtypes out in its arena at 512-byte aligned offsets, so an
+    arena is as large as the largest batch (all dtypes together), not the sum of
+    every dtype's largest batch. The arena tensors and every view into them are
+    created once; between steps only their storage is released, so a step creates
+    no Python views at all.
     """
 
-    def __init__(self, backend: DeviceBackend, region_bytes: Mapping[torch.dtype, int], count: int) -> None:
+    def __init__(self, backend: DeviceBackend, nbytes: int, count: int) -> None:
         self._backend = backend
-        self.region_offsets: dict[torch.dtype, int] = {}
-        total = 0
-        for dtype, nbytes in sorted(region_bytes.items(), key=lambda item: str(item[0])):
-            self.region_offsets[dtype] = total
-            total += align_up(nbytes, ARENA_ALIGN_BYTES)
-        self.nbytes = total
-        self.arenas = [backend.empty((total,), torch.uint8) for _ in range(count)]
-        self.regions: list[dict[torch.dtype, torch.Tensor]] = [
-            {
-                dtype: arena[offset : offset + align_up(region_bytes[dtype], dtype.itemsize)].view(dtype)
-                for dtype, offset in self.region_offsets.items()
-            }
-            for arena in self.arenas
-        ]
+        self.nbytes = align_up(nbytes, ARENA_ALIGN_BYTES)
+        self.arenas = [backend.empty((self.nbytes,), torch.uint8) for _ in range(count)]
         # Allocated until the plan has cut its views (views cannot be taken of released storage).
         self.allocated = True
+
+    def regions(self, index: int, region_bytes: Mapping[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor]:
+        """One typed view per dtype in arena ``index``, at consecutive 512-byte aligned offsets."""
+        arena = self.arenas[index]
+        views: dict[torch.dtype, torch.Tensor] = {}
+        offset = 0
+        for dtype, nbytes in arena_layout(region_bytes):
+            views[dtype] = arena[offset : offset + nbytes].view(dtype)
+            offset += align_up(nbytes, ARENA_ALIGN_BYTES)
+        return views
 
     @property
     def total_bytes(self) -> int:
@@ -103,3 +112,13 @@ class StagingArenas:
             for arena in self.arenas:
                 self._backend.release_storage(arena)
             self.allocated = False
+
+
+def arena_layout(region_bytes: Mapping[torch.dtype, int]) -> list[tuple[torch.dtype, int]]:
+    """The order dtype regions take in an arena (deterministic, by dtype name)."""
+    return sorted(region_bytes.items(), key=lambda item: str(item[0]))
+
+
+def arena_bytes(region_bytes: Mapping[torch.dtype, int]) -> int:
+    """Arena bytes one batch needs: each dtype region rounded up to 512 bytes."""
+    return sum(align_up(nbytes, ARENA_ALIGN_BYTES) for _, nbytes in arena_layout(region_bytes))

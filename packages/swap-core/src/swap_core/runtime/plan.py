@@ -11,7 +11,7 @@ import torch
 from ..backends.protocol import DeviceBackend
 from ..errors import SwapStateError
 from .dtensor import wrap_local
-from .packed import PackedHost, StagingArenas
+from .packed import PackedHost, StagingArenas, arena_bytes
 from .partition import partition_consecutive
 from .slots import SwapSlot
 from .store import StateStore
@@ -102,16 +102,16 @@ def build_plan(
 
 def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatch]) -> StagingArenas:
     ranges = [packed.ranges(batch.slots) for batch in batches]
-    region_bytes: dict[torch.dtype, int] = {}
-    for batch_ranges in ranges:
-        for dtype, (start, stop) in batch_ranges.items():
-            region_bytes[dtype] = max(region_bytes.get(dtype, 0), (stop - start) * dtype.itemsize)
-    arenas = StagingArenas(backend, region_bytes, count=min(2, len(batches)))
-    for batch, batch_ranges in zip(batches, ranges, strict=True):
-        regions = arenas.regions[batch.arena_index]
+    region_bytes = [
+        {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in batch_ranges.items()}
+        for batch_ranges in ranges
+    ]
+    largest = max(arena_bytes(sizes) for sizes in region_bytes)
+    arenas = StagingArenas(backend, largest, count=min(2, len(batches)))
+    for batch, batch_ranges, sizes in zip(batches, ranges, region_bytes, strict=True):
+        regions = arenas.regions(batch.arena_index, sizes)
         batch.transfers = [
-            (packed.buffers[dtype][start:stop], regions[dtype][: stop - start])
-            for dtype, (start, stop) in batch_ranges.items()
+            (packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()
         ]
         for slot in batch.slots:
             start = packed.offsets[slot] - batch_ranges[slot.dtype][0]

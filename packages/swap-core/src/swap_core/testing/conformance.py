@@ -362,18 +362,17 @@ def _copies_per_batch(slots: Sequence[Any], packed: bool) -> int:
 
 
 def _staging_bound(batches: Sequence[Any], packed: bool) -> int:
-    """Two batches of swapped state, per dtype, each state 64-byte aligned, each region 512-byte aligned."""
-    per_dtype: dict[torch.dtype, int] = {}
+    """Two staged batches: per batch, each state 64-byte aligned, each dtype region 512-byte aligned."""
+    arenas: list[int] = []
     sizes: list[int] = []
     for batch in batches:
         by_dtype: dict[torch.dtype, int] = {}
         for slot in batch.slots:
             by_dtype[slot.dtype] = by_dtype.get(slot.dtype, 0) + align_up(slot.nbytes, SLOT_ALIGN_BYTES)
-        for dtype, nbytes in by_dtype.items():
-            per_dtype[dtype] = max(per_dtype.get(dtype, 0), nbytes)
+        arenas.append(sum(align_up(nbytes, ARENA_ALIGN_BYTES) for nbytes in by_dtype.values()))
         sizes.append(sum(slot.nbytes for slot in batch.slots))
     if packed:
-        return min(2, len(batches)) * sum(align_up(nbytes, ARENA_ALIGN_BYTES) for nbytes in per_dtype.values())
+        return min(2, len(batches)) * max(arenas, default=0)
     return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
 
 
