@@ -126,8 +126,13 @@ def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:
     run_distributed(_two_rank_checks, 2)
 
 
-def test_hsdp_two_by_two_matches_full_muon() -> None:
-    run_distributed(_parity_body, 4, (2, 2), True)
+def _four_rank_checks(rank: int, world_size: int) -> None:
+    _parity_body(rank, world_size, (4,), True)  # FSDP2 over 4 ranks: the 3-row matrix leaves ranks empty
+    _parity_body(rank, world_size, (2, 2), True)  # HSDP: replicate x shard
+
+
+def test_fsdp_four_ranks_and_hsdp_two_by_two_match_full_muon() -> None:
+    run_distributed(_four_rank_checks, 4)
 
 
 def test_plan_is_balanced_and_deterministic() -> None:
