@@ -37,6 +37,7 @@ class AdamAdapter(StateSwapAdapter):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         check_optimizer(optimizer)
         super().__init__(optimizer)
+        self._foreach_choice: dict[int, tuple[tuple[object, ...], bool | None]] = {}
 
     def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
         """``Adam._init_group``'s lazy state, with the moments as host-born placeholders."""
@@ -78,7 +79,7 @@ class AdamAdapter(StateSwapAdapter):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
-            foreach=_group_foreach(group),
+            foreach=self._group_foreach(group),
             capturable=group["capturable"],
             differentiable=group["differentiable"],
             fused=group["fused"],
@@ -86,6 +87,26 @@ class AdamAdapter(StateSwapAdapter):
             found_inf=getattr(self.optimizer, "found_inf", None),
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
+
+    def _group_foreach(self, group: dict[str, Any]) -> bool | None:
+        """:func:`_group_foreach`, decided once per group and its options rather than once per batch.
+
+        Scanning a 1,000-parameter group for every batch cost milliseconds per step; the decision
+        only changes when the group's parameters or options do (keys below).
+        """
+        key = (
+            len(group["params"]),
+            group["foreach"],
+            group["fused"],
+            group["differentiable"],
+            group["capturable"],
+            isinstance(group["lr"], torch.Tensor),
+        )
+        cached = self._foreach_choice.get(id(group))
+        if cached is None or cached[0] != key:
+            cached = (key, _group_foreach(group))
+            self._foreach_choice[id(group)] = cached
+        return cached[1]
 
     def _group_index(self, group: dict[str, Any]) -> int | None:
         return next((index for index, known in enumerate(self.optimizer.param_groups) if known is group), None)
