@@ -78,6 +78,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._plan_key: tuple[int, int] | None = None
         self._params_version = 0
         self._resident_bytes = 0
+        self._all_states_exist = False
         swap_keys = self._swap_keys()
         if self.backend is None:
             self._scheduler: PipelineScheduler | None = None
@@ -116,7 +117,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 return loss
             started = time.perf_counter()
             params = self._params_with_grad()
-            self._create_missing_states(params)
+            if not self._states_complete():
+                self._create_missing_states(params)
             plan = self._current_plan()
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
@@ -145,15 +147,17 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self.optimizer.__dict__.pop(name, None)
 
     def _update_batch(self, batch: PlannedBatch) -> None:
+        entries = zip(batch.params, batch.param_states, strict=True)
         with self._device_states_in_place(batch):
-            for group_index, members in itertools.groupby(batch.params, key=lambda item: item[0]):
+            for group_index, members in itertools.groupby(entries, key=lambda entry: entry[0][0]):
                 params, grads, states = [], [], []
-                for _, param in members:
+                for (_, param), state in members:
                     grad = param.grad
                     if grad is not None:
+                        assert state is not None, "states of parameters with a gradient exist before the pipeline"
                         params.append(param)
                         grads.append(grad)
-                        states.append(self.state[param])
+                        states.append(state)
                 if params:
                     group = self.param_groups[group_index]
                     self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
@@ -165,14 +169,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         Swapping entries in place (rather than handing the adapter merged copies)
         keeps whatever the update writes to resident entries, at two dict stores per state.
         """
-        state = self.state
-        for slot, view in zip(batch.slots, batch.update_views, strict=True):
-            state[slot.param][slot.key] = view
+        for state, slot, view in zip(batch.slot_states, batch.slots, batch.update_views, strict=True):
+            state[slot.key] = view
         try:
             yield
         finally:
-            for slot in batch.slots:
-                state[slot.param][slot.key] = slot.host_value
+            for state, slot in zip(batch.slot_states, batch.slots, strict=True):
+                state[slot.key] = slot.host_value
 
     def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
         assert self.backend is not None
@@ -232,7 +235,18 @@ class SwapOptimizer(torch.optim.Optimizer):
             )
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)
+            for batch in self._plan.batches:
+                # .get: binding must not create entries (torch keeps no state for never-updated params).
+                batch.param_states = [self.state.get(param) for _, param in batch.params]
+                batch.slot_states = [self.state[slot.param] for slot in batch.slots]
+            self._all_states_exist = all(state for batch in self._plan.batches for state in batch.param_states)
         return self._plan
+
+    def _states_complete(self) -> bool:
+        """Whether every parameter already has its state (then no per-parameter scan is needed)."""
+        assert self._store is not None
+        current = self._plan is not None and self._plan_key == (self._store.version, self._params_version)
+        return current and self._all_states_exist
 
     # -- synchronization and state dicts -------------------------------------
     def synchronize(self) -> None:

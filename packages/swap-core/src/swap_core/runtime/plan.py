@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,6 +34,10 @@ class PlannedBatch:
     """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Each slot's local device tensor during the update (a staging-arena view when packed)."""
+    param_states: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
+    """``optimizer.state[p]`` of each parameter (``None`` before it has any), aligned with ``params``."""
+    slot_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
     update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The same device tensors as the update sees them in ``state`` (DTensors re-wrapped)."""
 
