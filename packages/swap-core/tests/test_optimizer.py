@@ -396,3 +396,84 @@ def test_checkpoint_loaded_into_plain_then_wrapped_is_swapped_again() -> None:
     set_grads(params, 1)
     rewrapped.step()
     assert rewrapped.stats.host_state_bytes == opt.stats.host_state_bytes > 0
+
+
+def test_initialize_state_creates_first_step_states_without_touching_the_device() -> None:
+    backend = SimBackend()
+    params = make_params()
+    frozen = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
+    opt = swap_optimizer(
+        torch.optim.RMSprop([*params, frozen], lr=1e-2, momentum=0.5),
+        SwapConfig(backend=backend, swap_times=2, min_numel=64),
+    )
+    backend.reset_copy_stats()
+    backend.reset_peak_memory_stats()
+    opt.initialize_state()
+    stats = backend.copy_stats
+    assert (stats.h2d_copies, stats.d2h_copies, stats.d2d_copies) == (0, 0, 0)
+    # Only the two small resident states (40 and 8 elements, two keys each) take device memory.
+    assert backend.max_memory_allocated() == (40 + 8) * 4 * 2
+    assert frozen not in opt.state
+    for param in params:
+        state = opt.state[param]
+        assert set(state) == {"step", "square_avg", "momentum_buffer"}
+        assert state["step"].item() == 0
+        assert not state["square_avg"].any() and not state["momentum_buffer"].any()
+    opt.initialize_state()  # existing states are kept
+    assert backend.copy_stats.h2d_copies == 0
+
+    reference = make_params()
+    plain = torch.optim.RMSprop([*reference, frozen], lr=1e-2, momentum=0.5)
+    for step in range(3):
+        set_grads(params, step)
+        set_grads(reference, step)
+        opt.step()
+        plain.step()
+    assert_params_equal(reference, params)
+    assert_state_dicts_equal(plain.state_dict(), opt.state_dict(), "after initialize_state and 3 steps")
+
+
+def test_initialize_state_needs_a_backend() -> None:
+    opt = swap_optimizer(torch.optim.RMSprop(make_params(), lr=1e-2), SwapConfig(backend="auto"))
+    with pytest.raises(RuntimeError, match="needs a swap backend"):
+        opt.initialize_state()
+
+
+class _TaggingAdapter(RMSpropAdapter):
+    """Checkpoint form: every state also carries a ``"tag"``; importing strips it again."""
+
+    def export_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state = {saved_id: {**entry, "tag": 1} for saved_id, entry in state_dict["state"].items()}
+        return {**state_dict, "state": state}
+
+    def import_state_dict(self, state_dict: Any) -> Any:
+        for saved_id, entry in state_dict["state"].items():
+            if entry.get("tag") != 1:
+                raise ValueError(f"state of {saved_id!r} lacks its tag")
+        state = {
+            saved_id: {k: v for k, v in entry.items() if k != "tag"} for saved_id, entry in state_dict["state"].items()
+        }
+        return {**state_dict, "state": state}
+
+
+def test_adapter_checkpoint_form_is_what_state_dict_and_load_state_dict_exchange() -> None:
+    params = make_params()
+    opt = SwapOptimizer(
+        torch.optim.RMSprop(params, lr=1e-2), SwapConfig(backend=SimBackend(), min_numel=64), _TaggingAdapter
+    )
+    set_grads(params, 0)
+    opt.step()
+    seen: list[bool] = []
+    opt.register_state_dict_post_hook(lambda _, sd: seen.append(all("tag" in e for e in sd["state"].values())))  # type: ignore[arg-type,func-returns-value]
+    opt.register_load_state_dict_pre_hook(lambda _, sd: seen.append(all("tag" in e for e in sd["state"].values())))  # type: ignore[arg-type,func-returns-value]
+    saved = opt.state_dict()
+    assert all(entry["tag"] == 1 for entry in saved["state"].values())
+    assert all("tag" not in opt.state[param] for param in params)  # the live state is never changed
+    opt.load_state_dict(through_torch_save(saved))
+    assert seen == [True, True]  # user hooks see the checkpoint form
+    assert all(set(opt.state[param]) == {"step", "square_avg"} for param in params)
+    untagged = opt.optimizer.state_dict()
+    with pytest.raises(ValueError, match="lacks its tag"):
+        opt.load_state_dict(untagged)
+    set_grads(params, 1)
+    opt.step()

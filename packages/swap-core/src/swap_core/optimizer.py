@@ -80,6 +80,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._resident_bytes = 0
         self._all_states_exist = False
         swap_keys = self._swap_keys()
+        # First post-hook: user hooks (registered later) see the checkpoint form of the state dict.
+        self.register_state_dict_post_hook(_export_state_dict)
         if self.backend is None:
             self._scheduler: PipelineScheduler | None = None
             self._store: StateStore | None = None
@@ -265,6 +267,25 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         return super().state_dict()
 
+    def initialize_state(self) -> None:
+        """Create the missing state of every parameter that requires a gradient, without a step.
+
+        The states are exactly those the wrapped optimizer creates at the start of its first step
+        (e.g. Adam's ``step`` 0 and zero moments); swapped ones are born in host memory, so this
+        moves no byte to the device, runs no update and no collective. Parameters that have a state
+        keep it. Checkpointing uses it instead of torch's initializing step (zero gradients, lr 0),
+        which would stream every state through the device once and count a step.
+        """
+        if self._store is None:
+            raise RuntimeError(
+                "initialize_state() needs a swap backend; with CPU parameters the wrapped optimizer runs "
+                "unswapped and creates its states on its first step"
+            )
+        self.synchronize()
+        self._create_missing_states(
+            (group_index, param) for group_index, param in self._ordered_params_with_groups() if param.requires_grad
+        )
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this optimizer's family, swapped states straight into host memory.
 
@@ -274,13 +295,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         :class:`~swap_core.errors.StateDictMismatchError` with the state intact.
         """
         if self._store is None:
-            self.optimizer.load_state_dict(dict(state_dict))
+            self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
             return
         self.synchronize()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, dict(state_dict))
             if result is not None:
                 state_dict = result
+        state_dict = self.adapter.import_state_dict(state_dict)
         store = self._new_store(self._swap_keys())
         groups, state = load_swapped_state(self, store, state_dict, self._ordered_params())
         self._store = store
@@ -390,6 +412,12 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and self._store.should_swap(key, value):
                     new.append((_slot_like(value, key, value.dtype, param=param), value))
         self._store.add(new, self._ordered_params())
+
+
+def _export_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """State-dict post-hook: the adapter's checkpoint form of the state (see ``export_state_dict``)."""
+    assert isinstance(optimizer, SwapOptimizer)
+    return optimizer.adapter.export_state_dict(state_dict)
 
 
 def _slot_for(param: torch.Tensor, key: str, init: StateInit) -> SwapSlot:

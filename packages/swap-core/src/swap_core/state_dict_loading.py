@@ -17,7 +17,7 @@ from .runtime.store import StateSource, StateStore
 if TYPE_CHECKING:
     from .optimizer import SwapOptimizer
 
-__all__ = ["load_swapped_state"]
+__all__ = ["load_swapped_state", "saved_param_ids"]
 
 StagedState = defaultdict[torch.Tensor, dict[str, Any]]
 
@@ -35,11 +35,7 @@ def load_swapped_state(
         )
     groups = optimizer.param_groups
     saved_groups = state_dict["param_groups"]
-    _check_group_sizes(groups, saved_groups)
-    id_map: dict[object, tuple[torch.Tensor, dict[str, Any], Mapping[str, Any]]] = {}
-    for group, saved in zip(groups, saved_groups, strict=True):
-        for saved_id, param in zip(saved["params"], group["params"], strict=True):
-            id_map[saved_id] = (param, group, saved)
+    id_map = _saved_id_map(groups, saved_groups)
     staged: StagedState = defaultdict(dict)
     store.attach(staged)
     new: list[tuple[SwapSlot, StateSource]] = []
@@ -50,12 +46,35 @@ def load_swapped_state(
             )
         param, group, saved_group = id_map[saved_id]
         expected = optimizer.adapter.initial_state(param, group)
+        entry = staged[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
         for key, value in saved_state.items():
             # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
-            staged[param][key] = _stage_value(store, new, param, saved_group, key, value, expected.get(key), saved_id)
+            entry[key] = _stage_value(store, new, param, saved_group, key, value, expected.get(key), saved_id)
     store.add(new, order)
     new_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
     return new_groups, staged
+
+
+def saved_param_ids(
+    param_groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Mapping[str, Any]]
+) -> dict[object, torch.Tensor]:
+    """The live parameter behind each id of a state dict (an int from ``state_dict()``, an FQN from DCP).
+
+    Ids pair with parameters by position in their groups, as ``Optimizer.load_state_dict`` pairs them;
+    raises :class:`~swap_core.errors.StateDictMismatchError` if the group sizes differ.
+    """
+    return {saved_id: param for saved_id, (param, _, _) in _saved_id_map(param_groups, saved_groups).items()}
+
+
+def _saved_id_map(
+    groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Mapping[str, Any]]
+) -> dict[object, tuple[torch.Tensor, Any, Mapping[str, Any]]]:
+    _check_group_sizes(groups, saved_groups)
+    id_map: dict[object, tuple[torch.Tensor, Any, Mapping[str, Any]]] = {}
+    for group, saved in zip(groups, saved_groups, strict=True):
+        for saved_id, param in zip(saved["params"], group["params"], strict=True):
+            id_map[saved_id] = (param, group, saved)
+    return id_map
 
 
 def _check_group_sizes(groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Mapping[str, Any]]) -> None:

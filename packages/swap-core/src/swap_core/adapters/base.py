@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -88,6 +88,26 @@ class StateSwapAdapter(abc.ABC):
         rank then walks exactly the same batches, even a rank that swaps nothing.
         """
         return None
+
+    # -- checkpoint glue ----------------------------------------------------------
+    def export_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint form of ``state_dict``, the wrapped optimizer's own format built from the live state.
+
+        ``SwapOptimizer.state_dict()`` returns this. Override it when the live state has another layout
+        than the plain optimizer's (distributed Muon keeps whole matrices on owner ranks; a checkpoint
+        holds every rank's shard). Runs on every rank alike, so it may run collectives. Swapped tensors
+        in ``state_dict`` are the host mirrors: return new tensors, never modify them. Default: unchanged.
+        """
+        return state_dict
+
+    def import_state_dict(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The inverse of :meth:`export_state_dict`, applied first by ``SwapOptimizer.load_state_dict``.
+
+        ``state`` may be keyed by the ids of ``state_dict()`` or by FQNs (torch.distributed.checkpoint);
+        ``swap_core.state_dict_loading.saved_param_ids`` pairs them with the live parameters. Must not
+        modify the live state (loading checks everything before committing). Default: unchanged.
+        """
+        return state_dict
 
 
 AdapterFactory = Callable[[torch.optim.Optimizer], StateSwapAdapter]
