@@ -80,8 +80,15 @@ def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fu
     plans: list[object] = [None] * world_size
     dist.all_gather_object(plans, adapter.plan.owners)
     assert all(plan == plans[0] for plan in plans), f"{where}: plans differ {plans}"
-    # The per-rank state dict (owners hold whole momentum) loads back, and training continues exactly.
-    opt.load_state_dict(opt.state_dict())
+    # state_dict() has torch.optim.Muon's layout: every rank holds its shard of every momentum, placed like
+    # the parameter (a collective: owners scatter); loading gathers the shards back onto the owners.
+    saved = opt.state_dict()
+    for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
+        momentum = saved["state"][index]["momentum_buffer"]
+        assert momentum.placements == param.placements, f"{where}: momentum {index} {momentum.placements}"  # type: ignore[attr-defined]
+        expected = reference.state[reference_param]["momentum_buffer"]
+        assert_bitwise_equal(expected, momentum.full_tensor(), f"{where}: saved momentum {index}")
+    opt.load_state_dict(saved)
     for param, reference_param, grad in zip(sharded, reference_params, _full(200), strict=True):
         reference_param.grad = grad
         param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ lives inside the shard group; each replica group repeats it on identical data.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,9 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from swap_core import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.errors import UnsupportedOptimizerError
 
+from .owner_checkpoint import gather_owner_momentum, scatter_owner_momentum
 from .owner_plan import OwnerPlan, plan_owners, state_bytes
+from .rows import as_bytes, chunk_rows, padded_rows
 
 __all__ = ["DistributedMuonAdapter", "PlanMismatchError", "ShardGroup", "shard_group_of"]
 
@@ -119,6 +121,15 @@ class DistributedMuonAdapter(StateSwapAdapter):
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(local_update, alpha=-adjusted_lr)
 
+    # -- checkpoint layout (collective: every rank of the shard group calls these) ---
+    def export_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Owners' full momentum scattered into every rank's DTensor shard (torch.optim.Muon's layout)."""
+        return scatter_owner_momentum(state_dict, self.optimizer.param_groups, self.plan.owners, self.shards)
+
+    def import_state_dict(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Loaded momentum shards (or whole tensors) gathered whole onto this plan's owners."""
+        return gather_owner_momentum(state_dict, self.optimizer.param_groups, self.plan.owners, self.shards)
+
     # -- collectives ------------------------------------------------------------
     def _gather_to_owners(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
@@ -128,15 +139,15 @@ class DistributedMuonAdapter(StateSwapAdapter):
         works, received = [], []
         for param, grad in zip(params, grads, strict=True):
             owner = self.owner_of(param)
-            rows = _chunk_rows(param.shape[0], shards.size)
+            rows = chunk_rows(param.shape[0], shards.size)
             local = grad.to_local()  # type: ignore[attr-defined]
             padded = local.new_zeros((max(rows), *param.shape[1:]))
             padded[: local.shape[0]].copy_(local)
             chunks = [torch.empty_like(padded) for _ in range(shards.size)] if owner == shards.rank else None
             works.append(
                 dist.gather(
-                    _as_bytes(padded),
-                    [_as_bytes(chunk) for chunk in chunks] if chunks is not None else None,
+                    as_bytes(padded),
+                    [as_bytes(chunk) for chunk in chunks] if chunks is not None else None,
                     dst=shards.global_rank(owner),
                     group=shards.group,
                     async_op=True,
@@ -158,16 +169,16 @@ class DistributedMuonAdapter(StateSwapAdapter):
         works, outputs = [], []
         for param, update in zip(params, updates, strict=True):
             owner = self.owner_of(param)
-            rows = _chunk_rows(param.shape[0], shards.size)
+            rows = chunk_rows(param.shape[0], shards.size)
             # Newton-Schulz returns bfloat16, whatever the parameter's dtype.
             output = torch.empty((max(rows), *param.shape[1:]), dtype=torch.bfloat16, device=_local_device(param))
             pieces = None
             if update is not None:
-                pieces = [_padded_rows(block, max(rows)) for block in torch.split(update, rows)]
+                pieces = [padded_rows(block, max(rows)) for block in torch.split(update, rows)]
             works.append(
                 dist.scatter(
-                    _as_bytes(output),
-                    [_as_bytes(piece) for piece in pieces] if pieces is not None else None,
+                    as_bytes(output),
+                    [as_bytes(piece) for piece in pieces] if pieces is not None else None,
                     src=shards.global_rank(owner),
                     group=shards.group,
                     async_op=True,
@@ -184,23 +195,6 @@ def _owner_update(full_grad: torch.Tensor, buffer: torch.Tensor, group: dict[str
     buffer.lerp_(full_grad, 1 - group["momentum"])
     update = full_grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
     return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-
-
-def _chunk_rows(total: int, parts: int) -> list[int]:
-    """Rows per rank under ``torch.chunk`` semantics (what ``Shard(0)`` uses), trailing ranks possibly empty."""
-    size = -(-total // parts)
-    return [max(0, min(size, total - rank * size)) for rank in range(parts)]
-
-
-def _padded_rows(block: torch.Tensor, rows: int) -> torch.Tensor:
-    padded = block.new_zeros((rows, *block.shape[1:]))
-    padded[: block.shape[0]].copy_(block)
-    return padded
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A byte view: collectives move exact bits whatever dtypes the transport supports."""
-    return tensor.contiguous().view(torch.uint8)
 
 
 def _local_device(param: torch.Tensor) -> torch.device:
