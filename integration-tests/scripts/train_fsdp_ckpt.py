@@ -1,4 +1,4 @@
-"""Train a tiny transformer with FSDP2 and swapped AdamW; checkpoint with DCP, stop, resume in new processes.
+"""Train a tiny transformer with FSDP2 and swapped optimizers; checkpoint with DCP, stop, resume in new processes.
 
 Run under torchrun (gloo, CPU, the simulated accelerator)::
 
@@ -9,6 +9,8 @@ Run under torchrun (gloo, CPU, the simulated accelerator)::
 ``first`` trains steps 0-4 and saves ``DIR/checkpoint``; ``resume`` loads it and
 trains steps 5-9; ``uninterrupted`` trains steps 0-9. The last two write the
 gathered final parameters and optimizer state from rank 0 to ``DIR/<phase>.pt``.
+``--optim adamw`` (default) swaps one AdamW; ``--optim muon-adamw`` swaps
+owner-rank distributed Muon for the hidden matrices and AdamW for the rest.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ class TinyTransformer(nn.Module):
         return logits
 
 
-def build(world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The same initial model on every rank, FSDP2-sharded (each block a unit, then the root), and swapped AdamW."""
+def build(world_size: int, optim: str) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    """The same initial model on every rank, FSDP2-sharded (each block a unit, then the root), swapped optimizers."""
     torch.manual_seed(0)
     model = TinyTransformer()
     mesh = init_device_mesh("cpu", (world_size,))
@@ -62,34 +64,45 @@ def build(world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     fully_shard(model, mesh=mesh)
     # min_numel=64: the matrices and embeddings swap; the 8-element norm and bias shards stay resident.
     config = SwapConfig(backend="sim", swap_times=2, min_numel=64)
-    optimizer = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), config)
-    return model, optimizer
+    if optim == "adamw":
+        return model, [swap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), config)]
+    from swap_muon import DistributedMuonAdapter, split_muon_params
+
+    hidden_matrices, others = split_muon_params(model)
+    muon = swap_optimizer(torch.optim.Muon(hidden_matrices, lr=2e-2, momentum=0.95), config)
+    adamw = swap_optimizer(torch.optim.AdamW(others, lr=3e-3, weight_decay=0.01), config)
+    assert isinstance(muon.adapter, DistributedMuonAdapter)  # owner-rank Muon over the FSDP2 shards
+    return model, [muon, adamw]
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int) -> None:
+def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: range, rank: int) -> None:
     """Next-token prediction on random tokens that depend only on the step index and the rank."""
     for step in steps:
         generator = torch.Generator().manual_seed(100 * step + rank)
         tokens = torch.randint(0, VOCAB, (BATCH_SIZE, CONTEXT + 1), generator=generator)
         logits = model(tokens[:, :-1])
         nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     # The states really travel through the simulated accelerator (a swap that moved nothing would prove nothing).
-    stats = optimizer.stats  # type: ignore[attr-defined]
-    assert stats.h2d_bytes > 0 and stats.h2d_bytes == stats.d2h_bytes, stats
+    for optimizer in optimizers:
+        stats = optimizer.stats  # type: ignore[attr-defined]
+        assert stats.batches > 0 and stats.h2d_bytes == stats.d2h_bytes, stats
+    assert sum(optimizer.stats.h2d_bytes for optimizer in optimizers) > 0  # type: ignore[attr-defined]
 
 
-def save_gathered(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int) -> None:
-    """Full (gathered) parameters and optimizer state, written by rank 0."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+def save_gathered(model: nn.Module, optimizers: list[torch.optim.Optimizer], path: Path, rank: int) -> None:
+    """Full (gathered) parameters and each optimizer's state, written by rank 0."""
 
     def full(tensor: torch.Tensor) -> torch.Tensor:
         full_tensor = getattr(tensor, "full_tensor", None)
         gathered: torch.Tensor = full_tensor() if callable(full_tensor) else tensor
         return gathered.detach().cpu().clone()
 
-    state: dict[str, Any] = tree_map_only(torch.Tensor, full, {"model": dict(model_state), "optim": dict(optim_state)})
+    model_state, _ = get_state_dict(model, optimizers)
+    optim_states = [dict(get_state_dict(model, optimizer)[1]) for optimizer in optimizers]
+    state: dict[str, Any] = tree_map_only(torch.Tensor, full, {"model": dict(model_state), "optim": optim_states})
     if rank == 0:
         torch.save(state, path)
 
@@ -98,25 +111,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--phase", choices=("first", "resume", "uninterrupted"), required=True)
     parser.add_argument("--dir", type=Path, required=True, help="checkpoint and result directory")
+    parser.add_argument("--optim", choices=("adamw", "muon-adamw"), default="adamw", help="swapped optimizers")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        model, optimizer = build(world_size)
+        model, optimizers = build(world_size, args.optim)
         checkpoint = args.dir / "checkpoint"
         total = STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE
         if args.phase == "first":
-            train(model, optimizer, range(STEPS_BEFORE_SAVE), rank)
-            dcp.save({"app": swap_ckpt.AppState(model, optimizer)}, checkpoint_id=checkpoint)
+            train(model, optimizers, range(STEPS_BEFORE_SAVE), rank)
+            dcp.save({"app": swap_ckpt.AppState(model, optimizers)}, checkpoint_id=checkpoint)
             return
         if args.phase == "resume":
-            swap_ckpt.load_checkpoint({"app": swap_ckpt.AppState(model, optimizer)}, checkpoint)
-            train(model, optimizer, range(STEPS_BEFORE_SAVE, total), rank)
+            swap_ckpt.load_checkpoint({"app": swap_ckpt.AppState(model, optimizers)}, checkpoint)
+            train(model, optimizers, range(STEPS_BEFORE_SAVE, total), rank)
         else:
-            train(model, optimizer, range(total), rank)
-        save_gathered(model, optimizer, args.dir / f"{args.phase}.pt", rank)
+            train(model, optimizers, range(total), rank)
+        save_gathered(model, optimizers, args.dir / f"{args.phase}.pt", rank)
     finally:
         dist.destroy_process_group()
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from ckpt_training import build_layers, local_snapshot
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from swap_ckpt import AppState, CheckpointFileError, host_snapshot, load_checkpoint, needs_state_init
+from swap_ckpt.flat_state import is_flat_optimizer_state, nest_flat_optimizer_state
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
@@ -75,27 +77,69 @@ def test_muon_and_adamw_resume_bitwise_and_load_into_plain_optimizers(tmp_path: 
     _assert_equal(final, _snapshot(plain_model, plain), "plain resume from a swapped checkpoint")
 
 
-def test_torch_init_step_gives_plain_state_within_one_step_of_copies() -> None:
-    """get_state_dict on a fresh optimizer runs a zero-gradient lr-0 step: same state as plain, params unchanged."""
+def test_fresh_swapped_optimizer_gets_its_states_without_torch_init_step() -> None:
+    """get_state_dict on a fresh optimizer: plain torch runs a zero-gradient lr-0 step; swapped states need none.
+
+    Same moments as the plain optimizer, no copy and no device byte, parameters unchanged; only the step
+    counter differs: torch's fake step counts (``step`` 1), the swapped state is the one before any step.
+    """
     model = build_layers()
     swapped = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), CONFIG)
     plain_model = build_layers()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
     params_before = [param.detach().clone() for param in model.parameters()]
     assert needs_state_init(swapped)
+    assert isinstance(swapped.backend, SimBackend)
+    swapped.backend.reset_copy_stats()
 
     swapped_state = AppState(model, swapped).state_dict()
     plain_state = AppState(plain_model, plain).state_dict()
 
     assert not needs_state_init(swapped)
-    assert_state_dicts_equal(plain_state["optim"], swapped_state["optim"], "init step")
+    copies = swapped.backend.copy_stats
+    assert copies.h2d_copies == copies.d2h_copies == 0 and swapped.backend.memory_allocated() == 16 * 4 * 2
+    for fqn, plain_entry in plain_state["optim"]["state"].items():
+        entry = swapped_state["optim"]["state"][fqn]
+        assert plain_entry["step"].item() == 1 and entry["step"].item() == 0, fqn
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(plain_entry[key], entry[key], f"{fqn} {key}")
     for index, (before, param) in enumerate(zip(params_before, model.parameters(), strict=True)):
-        assert_bitwise_equal(before, param, f"parameter {index} after the init step")
-    assert swapped_state["optim"]["param_groups"][0]["lr"] == 1e-2  # restored by torch
-    # The cost of torch's init step: one swapped step over zeros (every swapped byte in and out once).
-    stats = swapped.stats
-    assert stats.h2d_bytes == stats.d2h_bytes == stats.host_state_bytes > 0
-    assert stats.batches == CONFIG.swap_times
+        assert_bitwise_equal(before, param, f"parameter {index} after initializing")
+
+
+def test_checkpoint_of_a_never_stepped_swapped_optimizer_resumes_exactly(tmp_path: Path) -> None:
+    """Saved before its first step and resumed, a swapped run equals the uninterrupted one (torch's is a step ahead)."""
+    model, optimizers = _muon_adamw(swapped=True)
+    dcp.save({"app": AppState(model, optimizers)}, checkpoint_id=tmp_path / "fresh")
+    _train(model, optimizers, 0, 3)
+    uninterrupted = [local_snapshot(model, optimizer) for optimizer in optimizers]
+
+    model, optimizers = _muon_adamw(swapped=True)
+    dcp.load({"app": AppState(model, optimizers)}, checkpoint_id=tmp_path / "fresh")
+    _train(model, optimizers, 0, 3)
+    for index, optimizer in enumerate(optimizers):
+        actual = local_snapshot(model, optimizer)
+        assert_state_dicts_equal(uninterrupted[index]["optim"], actual["optim"], f"optimizer {index}")
+        for fqn, tensor in uninterrupted[index]["model"].items():
+            assert_bitwise_equal(tensor, actual["model"][fqn], f"model {fqn}")
+
+
+def test_flattened_optimizer_state_nests_by_its_own_keys() -> None:
+    model, optimizers = _muon_adamw(swapped=False)
+    _train(model, optimizers, 0, 1)
+    nested = get_optimizer_state_dict(model, optimizers)
+    flat = get_optimizer_state_dict(model, optimizers, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert is_flat_optimizer_state(flat) and not is_flat_optimizer_state(nested)
+    rebuilt = nest_flat_optimizer_state(flat, optimizers)
+    assert_state_dicts_equal({"state": nested["state"], "param_groups": []}, {**rebuilt, "param_groups": []}, "state")
+    for group in nested["param_groups"]:  # one group per FQN, each with its group's options
+        for fqn in group["params"]:
+            (own,) = [candidate for candidate in rebuilt["param_groups"] if candidate["params"] == [fqn]]
+            assert own == {**group, "params": [fqn]}
+    with pytest.raises(ValueError, match=r"'param_groups\.0\.weight\.nope' names no option"):
+        nest_flat_optimizer_state({**flat, "param_groups.0.weight.nope": 1}, optimizers)
+    with pytest.raises(ValueError, match=r"'state\.9\.weight\.exp_avg' belongs to no parameter"):
+        nest_flat_optimizer_state({**flat, "state.9.weight.exp_avg": torch.zeros(1)}, optimizers)
 
 
 def test_state_dict_holds_host_copies_not_the_live_host_mirrors() -> None:
