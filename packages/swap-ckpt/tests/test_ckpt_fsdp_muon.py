@@ -11,7 +11,8 @@ checkpoint and loads into plain optimizers. Checked here:
 * resharding: 2 -> 4 ranks (other owners), 2 -> 1 unsharded process into plain
   torch.optim.Muon + AdamW (interop) and into swapped single-process Muon, FSDP2
   -> HSDP, and a plain single-process checkpoint into the sharded swapped run;
-* the flattened layout (``flatten_optimizer_state_dict``) resumes too;
+* the flattened layout (``flatten_optimizer_state_dict``) and an async save followed at once by steps
+  load the state at save time;
 * a malformed momentum on one rank raises on every rank with the state untouched.
 """
 
@@ -102,6 +103,12 @@ def _shared_sim(optimizers: list[torch.optim.Optimizer]) -> tuple[SimBackend, in
     return backends.pop(), resident
 
 
+def _gloo_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
 # -- FSDP2, 2 ranks ------------------------------------------------------------------
 def _fsdp_save_world(rank: int, world_size: int, directory: Path) -> None:
     model, optimizers = _sharded(world_size, rank=rank)
@@ -113,7 +120,13 @@ def _fsdp_save_world(rank: int, world_size: int, directory: Path) -> None:
     # Owners scatter from host mirrors into host buffers: only the (tiny) resident states are on the device.
     assert sim.max_memory_allocated() == resident > 0, (rank, sim.max_memory_allocated(), resident)
     dcp.save({"app": AppState(model, optimizers, options=FLAT)}, checkpoint_id=directory / "fsdp_flat")
+    # An async save followed at once by steps: the owners scatter (collectives) while the call stages the state;
+    # the writer, on its own process group, reads private host copies that the steps cannot reach.
+    pending = dcp.async_save(
+        {"app": AppState(model, optimizers)}, checkpoint_id=directory / "fsdp_async", process_group=_gloo_group()
+    )
     _train(model, optimizers, FIRST, SECOND, rank)
+    pending.result()
     expected = {"at_save": at_save, "full_at_save": full_at_save, "final": _local(model, optimizers)}
     torch.save(expected, directory / f"fsdp_{rank}.pt")
     _malformed_momentum_fails_on_every_rank(optimizers[0], rank)
@@ -147,6 +160,10 @@ def _fsdp_resume_world(rank: int, world_size: int, directory: Path) -> None:
     _, resident = _shared_sim(optimizers)
     # States are born on the host and loaded there; old and new resident states briefly coexist.
     assert load_peak == 2 * resident > 0, (rank, load_peak, resident)
+
+    model, optimizers = _sharded(world_size, rank=rank)
+    load_checkpoint({"app": AppState(model, optimizers)}, directory / "fsdp_async")
+    _assert_all_equal(expected["at_save"], _local(model, optimizers), f"rank {rank} async save load")
 
     # Flattened: torch's own unflattening would look up only the keys the live state has (none for
     # the matrices a rank does not own); AppState nests by the checkpoint's keys instead.

@@ -13,6 +13,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.distributed import run_distributed
+from swap_muon import owner_checkpoint
 from swap_muon.distributed import DistributedMuonAdapter, PlanMismatchError
 from swap_muon.owner_plan import plan_owners
 
@@ -88,6 +89,14 @@ def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fu
         assert momentum.placements == param.placements, f"{where}: momentum {index} {momentum.placements}"  # type: ignore[attr-defined]
         expected = reference.state[reference_param]["momentum_buffer"]
         assert_bitwise_equal(expected, momentum.full_tensor(), f"{where}: saved momentum {index}")
+    # The same exchange through device buffers, as on a device-only backend (NCCL, HCCL), gives the same bytes.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(owner_checkpoint, "_transport", lambda shards: None)
+        staged = opt.state_dict()
+        for index, entry in saved["state"].items():
+            momentum = staged["state"][index]["momentum_buffer"]
+            assert_bitwise_equal(entry["momentum_buffer"].to_local(), momentum.to_local(), f"{where}: staged {index}")
+        opt.load_state_dict(staged)
     opt.load_state_dict(saved)
     for param, reference_param, grad in zip(sharded, reference_params, _full(200), strict=True):
         reference_param.grad = grad

@@ -12,6 +12,7 @@ from rich.progress import Progress
 
 from ..backends.protocol import DeviceBackend
 from ..errors import AdapterNotFoundError, UnsupportedOptimizerError
+from .host_allocator import keep_freed_host_memory
 from .link import measure_link
 from .measure import RowConfig, measure_row
 from .report import BenchReport, render_table
@@ -56,12 +57,14 @@ def run_bench(
     backend_detail: str,
     quick: bool,
     threads: int,
+    host_allocator: str = "system",
     warmup: int,
     repeats: int,
     console: Console,
 ) -> BenchReport:
     link_bytes = 8 * 2**20 if quick else 256 * 2**20
-    report = BenchReport(backend_name, backend_detail, quick, threads, measure_link(backend_factory(), link_bytes))
+    link = measure_link(backend_factory(), link_bytes)
+    report = BenchReport(backend_name, backend_detail, quick, threads, link, host_allocator=host_allocator)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(rows))
         for row in rows:
@@ -84,9 +87,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", default="swap-bench.json", help="where to write the JSON report")
+    parser.add_argument(
+        "--system-allocator",
+        action="store_true",
+        help="on the simulator, keep glibc's default of returning freed blocks to the kernel (see host_allocator)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     backend_name, detail, factory = _backend(args.backend)
+    host_allocator = "system"
+    if backend_name == "sim" and not args.system_allocator:
+        host_allocator = keep_freed_host_memory() or "system (glibc mallopt unavailable)"
     table = QUICK_WORKLOADS if args.quick else WORKLOADS
     workloads = [table[name] for name in args.workloads]
     rows, left_out = plan_rows(workloads, args.optimizers, quick=args.quick, on_cpu=backend_name == "sim")
@@ -98,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend_detail=detail,
         quick=args.quick,
         threads=args.threads,
+        host_allocator=host_allocator,
         warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
         repeats=args.repeats if args.repeats is not None else (1 if args.quick else 9),
         console=console,

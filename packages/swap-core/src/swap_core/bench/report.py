@@ -29,6 +29,8 @@ class BenchReport:
     quick: bool
     threads: int
     link: LinkBandwidth
+    host_allocator: str = "system"
+    """How the host allocator was set up (on the simulator the 'device' allocates from it)."""
     rows: list[RowResult] = dataclasses.field(default_factory=list)
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
@@ -41,6 +43,7 @@ class BenchReport:
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "threads": self.threads,
+                "host_allocator": self.host_allocator,
             },
             "backend": self.backend,
             "backend_detail": self.backend_detail,
@@ -66,7 +69,7 @@ def render_table(report: BenchReport, console: Console) -> None:
     console.print(
         f"[bold]swap-bench[/] backend={report.backend} ({report.backend_detail}), threads={report.threads}; "
         f"raw pinned copies: H2D {link.h2d / 1e9:.2f} GB/s, D2H {link.d2h / 1e9:.2f} GB/s, "
-        f"both at once {link.duplex / 1e9:.2f} GB/s"
+        f"both at once {link.duplex / 1e9:.2f} GB/s; host allocator: {report.host_allocator}"
     )
     table = Table(show_lines=False)
     for title in (

@@ -34,8 +34,11 @@ class PlannedBatch:
     """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Each slot's local device tensor during the update (a staging-arena view when packed)."""
-    param_states: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
-    """``optimizer.state[p]`` of each parameter (``None`` before it has any), aligned with ``params``."""
+    segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None]]] = dataclasses.field(
+        default_factory=list
+    )
+    """``params`` split by param group, bound once per plan: ``(group index, params, optimizer.state[p] of each)``
+    (``None`` for a parameter without state yet)."""
     slot_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
     update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
