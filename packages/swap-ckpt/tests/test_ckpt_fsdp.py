@@ -135,7 +135,11 @@ def _bad_checkpoints_leave_live_state_untouched(
             r"torch.Size\(\[64, 16\]\) for app.model.0.weight",
         ),
         "truncated": (CheckpointFileError, r"Checkpoint file \S+/truncated/__0_0.distcp is truncated"),
-        "no_metadata": (AssertionError, r"No such file or directory: \S+/no_metadata/\.metadata"),
+        "no_metadata": (CheckpointFileError, r"Checkpoint metadata \S+/no_metadata/\.metadata is missing"),
+        "corrupt_metadata": (
+            CheckpointFileError,
+            r"Checkpoint metadata \S+/corrupt_metadata/\.metadata is unreadable \(truncated or corrupt\?\)",
+        ),
     }
     before = local_snapshot(model, optimizer)
     for name, (error, message) in expected_errors.items():
@@ -177,6 +181,8 @@ def _corrupt_copies(checkpoint: Path, directory: Path) -> None:
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     no_metadata = shutil.copytree(checkpoint, directory / "no_metadata")
     (no_metadata / ".metadata").unlink()
+    corrupt = shutil.copytree(checkpoint, directory / "corrupt_metadata") / ".metadata"
+    corrupt.write_bytes(corrupt.read_bytes()[: corrupt.stat().st_size // 2])
 
 
 def _second_world(rank: int, world_size: int, directory: Path) -> None:

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load
 
 from .planner import StrictLoadPlanner
-from .reader import CheckedFileSystemReader
+from .reader import CheckedFileSystemReader, check_metadata
 
 __all__ = ["load_checkpoint"]
 
@@ -25,12 +25,14 @@ def load_checkpoint(
 
     Extra FQNs raise :class:`~swap_ckpt.errors.CheckpointMismatchError`, a missing FQN
     torch's ``RuntimeError`` and a shape mismatch its ``ValueError`` (each naming the
-    FQN), missing or short data files :class:`~swap_ckpt.errors.CheckpointFileError`
-    (naming the file); all before any tensor is read, so nothing live changes. DCP
-    gathers failures into a ``CheckpointException``, a ``BaseException`` that
-    ``except Exception`` misses; this re-raises the lowest failing rank's own
-    exception instead (the same one on every rank), chained to it.
+    FQN), a missing or unreadable ``.metadata`` and missing or short data files
+    :class:`~swap_ckpt.errors.CheckpointFileError` (naming the file); all before any
+    tensor is read, so nothing live changes. DCP gathers failures into a
+    ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses; this
+    re-raises the lowest failing rank's own exception instead (the same one on every
+    rank), chained to it.
     """
+    check_metadata(checkpoint_dir)
     try:
         load(
             state_dict,

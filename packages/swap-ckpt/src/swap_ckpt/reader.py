@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import CheckpointFileError
 
-__all__ = ["CheckedFileSystemReader"]
+__all__ = ["CheckedFileSystemReader", "check_metadata"]
 
 
 class CheckedFileSystemReader(FileSystemReader):
@@ -33,6 +33,25 @@ class CheckedFileSystemReader(FileSystemReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         check_files(self.directory, metadata)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+
+def check_metadata(directory: str | os.PathLike[str]) -> Metadata:
+    """The checkpoint's metadata, or :class:`~swap_ckpt.errors.CheckpointFileError` naming ``.metadata``.
+
+    DCP's loader swallows a failing metadata read and raises an ``AssertionError`` ("metadata is
+    None") that names no file; this reads it first and says which file is missing or unreadable.
+    """
+    reader = FileSystemReader(directory)
+    path = Path(directory) / ".metadata"
+    if not path.is_file():
+        raise CheckpointFileError(f"Checkpoint metadata {path} is missing: not a DCP checkpoint directory?")
+    try:
+        metadata: Metadata = reader.read_metadata()
+    except Exception as error:
+        raise CheckpointFileError(
+            f"Checkpoint metadata {path} is unreadable (truncated or corrupt?): {type(error).__name__}: {error}"
+        ) from error
+    return metadata
 
 
 def check_files(directory: Path, metadata: Metadata) -> None:
