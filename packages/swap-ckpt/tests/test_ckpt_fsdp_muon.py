@@ -8,6 +8,7 @@ checkpoint and loads into plain optimizers. Checked here:
 * resume equality in new processes, bitwise, for FSDP2 on 2 ranks and HSDP 2x2;
 * the checkpoint's layout (two row chunks per momentum) and the device bound
   of saving and loading (no swapped byte on the device);
+* interop with plain torch.optim.Muon + AdamW on the same FSDP2 model, both ways;
 * resharding: 2 -> 4 ranks (other owners), 2 -> 1 unsharded process into plain
   torch.optim.Muon + AdamW (interop) and into swapped single-process Muon, FSDP2
   -> HSDP, and a plain single-process checkpoint into the sharded swapped run;
@@ -170,6 +171,19 @@ def _fsdp_resume_world(rank: int, world_size: int, directory: Path) -> None:
     model, optimizers = _sharded(world_size, rank=rank)
     load_checkpoint({"app": AppState(model, optimizers, options=FLAT)}, directory / "fsdp_flat")
     _assert_all_equal(expected["at_save"], _local(model, optimizers), f"rank {rank} flattened load")
+
+    # Interop with plain torch.optim.Muon + AdamW on the same FSDP2 model (torch's Muon steps DTensors too; its
+    # momentum is a Shard(0) DTensor, the layout the checkpoint holds): each side's checkpoint loads into the other.
+    model = shard(build_layers(), world_size)
+    plain = _optimizers(model, swapped=False)
+    load_checkpoint({"app": AppState(model, plain)}, directory / "fsdp")
+    _assert_all_equal(expected["at_save"], _local(model, plain), f"rank {rank} swapped -> plain FSDP2")
+    _train(model, plain, FIRST, 1, rank)
+    plain_state = _local(model, plain)
+    dcp.save({"app": AppState(model, plain)}, checkpoint_id=directory / "plain_fsdp")
+    model, optimizers = _sharded(world_size, rank=rank)
+    load_checkpoint({"app": AppState(model, optimizers)}, directory / "plain_fsdp")
+    _assert_all_equal(plain_state, _local(model, optimizers), f"rank {rank} plain FSDP2 -> swapped")
 
     # A plain single-process checkpoint (written by the test) loads into the sharded swapped run.
     plain = torch.load(directory / "plain_expected.pt", weights_only=True)
