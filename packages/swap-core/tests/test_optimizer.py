@@ -477,3 +477,18 @@ def test_adapter_checkpoint_form_is_what_state_dict_and_load_state_dict_exchange
         opt.load_state_dict(untagged)
     set_grads(params, 1)
     opt.step()
+
+
+def test_step_keeps_no_reference_to_the_gradients() -> None:
+    """zero_grad(set_to_none=True) frees gradient memory: the swapped step must not hold on to gradients."""
+    import weakref
+
+    params = make_params()
+    opt = wrapped(params)
+    for step in range(2):
+        set_grads(params, step)
+        opt.step()
+    grads = [weakref.ref(param.grad) for param in params if param.grad is not None]
+    assert len(grads) == len(params)
+    opt.zero_grad(set_to_none=True)
+    assert all(grad() is None for grad in grads)

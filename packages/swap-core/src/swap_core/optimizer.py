@@ -79,6 +79,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._params_version = 0
         self._resident_bytes = 0
         self._all_states_exist = False
+        self._plan_params = 0
+        self._every_param_ready = False
+        self._step_grads: list[torch.Tensor | None] = []
         swap_keys = self._swap_keys()
         # First post-hook: user hooks (registered later) see the checkpoint form of the state dict.
         self.register_state_dict_post_hook(_export_state_dict)
@@ -118,13 +121,18 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self.optimizer.step()
                 return loss
             started = time.perf_counter()
-            params = self._params_with_grad()
-            if not self._states_complete():
-                self._create_missing_states(params)
-            plan = self._current_plan()
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
-            self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace)
+            try:
+                params = self._params_with_grad()
+                if not self._states_complete():
+                    self._create_missing_states(params)
+                plan = self._current_plan()
+                # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
+                self._every_param_ready = self._all_states_exist and len(params) == self._plan_params
+                self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace)
+            finally:
+                self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
             self.trace = trace
         stats.resident_state_device_bytes = self._resident_bytes
         stats.host_state_bytes = self._store.host_bytes if self._store is not None else 0
@@ -150,8 +158,12 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _update_batch(self, batch: PlannedBatch) -> None:
         with self._device_states_in_place(batch):
-            for group_index, segment_params, segment_states in batch.segments:
-                params, grads, states = _with_grad(segment_params, segment_states)
+            for group_index, segment_params, segment_states, start in batch.segments:
+                if self._every_param_ready:
+                    params, states = segment_params, cast("list[dict[str, Any]]", segment_states)
+                    grads = cast("list[torch.Tensor]", self._step_grads[start : start + len(params)])
+                else:
+                    params, grads, states = _with_grad(segment_params, segment_states)
                 if params:
                     group = self.param_groups[group_index]
                     self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
@@ -174,13 +186,17 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
         """Parameters with a gradient, each checked (dense) and declared to the backend before anything moves.
 
-        Runs once per step over every parameter, so it stays a bare loop (about 0.5 us per parameter).
+        Runs once per step over every parameter, so it stays a bare loop (about 0.5 us per parameter); the
+        gradients it reads are kept in parameter order (``_step_grads``) for the batches to slice.
         """
         assert self.backend is not None
         adopt = self.backend.adopt
         found = []
+        grads: list[torch.Tensor | None] = []
+        self._step_grads = grads
         for group_index, param in self._ordered_params_with_groups():
             grad = param.grad
+            grads.append(grad)
             if grad is None:
                 continue
             if grad.is_sparse:
@@ -234,18 +250,20 @@ class SwapOptimizer(torch.optim.Optimizer):
             )
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)
+            start = 0  # batches are consecutive runs of the parameters in order
             for batch in self._plan.batches:
                 # .get: binding must not create entries (torch keeps no state for never-updated params).
-                batch.segments = [
-                    (group_index, [param for _, param in members], [self.state.get(param) for _, param in members])
-                    for group_index, members in (
-                        (index, list(grouped))
-                        for index, grouped in itertools.groupby(batch.params, key=lambda entry: entry[0])
-                    )
-                ]
+                batch.segments = []
+                for group_index, grouped in itertools.groupby(batch.params, key=lambda entry: entry[0]):
+                    members = [param for _, param in grouped]
+                    states = [self.state.get(param) for param in members]
+                    batch.segments.append((group_index, members, states, start))
+                    start += len(members)
                 batch.slot_states = [self.state[slot.param] for slot in batch.slots]
+            assert start == len(params), "the batches cover every parameter once, in order"
+            self._plan_params = len(params)
             self._all_states_exist = all(
-                state for batch in self._plan.batches for _, _, states in batch.segments for state in states
+                state for batch in self._plan.batches for _, _, states, _ in batch.segments for state in states
             )
         return self._plan
 
@@ -422,15 +440,10 @@ class SwapOptimizer(torch.optim.Optimizer):
 def _with_grad(
     params: list[torch.Tensor], states: list[dict[str, Any] | None]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]:
-    """The parameters of a batch segment that have a gradient this step, with their gradients and states.
-
-    The common case (every parameter has one) costs one list comprehension: this runs per batch per step.
-    """
-    grads = [param.grad for param in params]
-    if all(grad is not None for grad in grads) and all(state is not None for state in states):
-        return params, cast("list[torch.Tensor]", grads), cast("list[dict[str, Any]]", states)
+    """The parameters of a batch segment that have a gradient this step, with their gradients and states."""
     kept_params, kept_grads, kept_states = [], [], []
-    for param, grad, state in zip(params, grads, states, strict=True):
+    for param, state in zip(params, states, strict=True):
+        grad = param.grad
         if grad is None:
             continue
         assert state is not None, "states of parameters with a gradient exist before the pipeline"

@@ -34,11 +34,11 @@ class PlannedBatch:
     """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Each slot's local device tensor during the update (a staging-arena view when packed)."""
-    segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None]]] = dataclasses.field(
+    segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None], int]] = dataclasses.field(
         default_factory=list
     )
-    """``params`` split by param group, bound once per plan: ``(group index, params, optimizer.state[p] of each)``
-    (``None`` for a parameter without state yet)."""
+    """``params`` split by param group, bound once per plan: ``(group index, params, optimizer.state[p] of each,
+    index of the first one among all parameters in order)`` (``None`` for a parameter without state yet)."""
     slot_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
     update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
