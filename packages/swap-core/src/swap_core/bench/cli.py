@@ -12,9 +12,10 @@ from rich.progress import Progress
 
 from ..backends.protocol import DeviceBackend
 from ..errors import AdapterNotFoundError, UnsupportedOptimizerError
+from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
-from .measure import RowConfig, measure_row
+from .measure import RowConfig, measure_comparison, measure_row
 from .report import BenchReport, render_table
 from .workloads import OPTIMIZERS, QUICK_WORKLOADS, WORKLOADS, Workload
 
@@ -61,12 +62,13 @@ def run_bench(
     warmup: int,
     repeats: int,
     console: Console,
+    comparisons: Sequence[ComparisonConfig] = (),
 ) -> BenchReport:
     link_bytes = 8 * 2**20 if quick else 256 * 2**20
     link = measure_link(backend_factory(), link_bytes)
     report = BenchReport(backend_name, backend_detail, quick, threads, link, host_allocator=host_allocator)
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(rows))
+        task = progress.add_task("benchmarking", total=len(rows) + len(comparisons))
         for row in rows:
             progress.update(task, description=row.label)
             try:
@@ -74,7 +76,36 @@ def run_bench(
             except (AdapterNotFoundError, UnsupportedOptimizerError) as error:
                 report.skipped.append({"row": row.label, "reason": str(error).splitlines()[0]})
             progress.advance(task)
+        for comparison in comparisons:
+            progress.update(task, description=comparison.label)
+            _run_comparison(comparison, backend_factory, report, warmup=warmup, repeats=repeats)
+            progress.advance(task)
     return report
+
+
+def _run_comparison(
+    comparison: ComparisonConfig,
+    backend_factory: Callable[[], DeviceBackend],
+    report: BenchReport,
+    *,
+    warmup: int,
+    repeats: int,
+) -> None:
+    """Measure one comparison row into ``report``; a baseline that fails is a skipped row carrying its error.
+
+    Third-party code runs here (imports, kernel builds, steps): an optional baseline must never lose the rows
+    already measured.
+    """
+    baseline = comparison.baseline
+    try:
+        result = measure_comparison(
+            comparison.workload, baseline.name, baseline.build, backend_factory, warmup=warmup, repeats=repeats
+        )
+    except Exception as error:
+        first_line = (str(error).splitlines() or [""])[0]
+        report.skipped.append({"row": comparison.label, "reason": f"failed: {type(error).__name__}: {first_line}"})
+    else:
+        report.comparisons.append(result)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", default="swap-bench.json", help="where to write the JSON report")
+    parser.add_argument(
+        "--compare",
+        nargs="*",
+        default=list(BASELINES),
+        choices=list(BASELINES),
+        help="external offloading baselines to hold plain AdamW against (CUDA only, with adamw among --optimizers; "
+        "rows that cannot run are listed as skipped); give no names for none",
+    )
     parser.add_argument(
         "--system-allocator",
         action="store_true",
@@ -101,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = QUICK_WORKLOADS if args.quick else WORKLOADS
     workloads = [table[name] for name in args.workloads]
     rows, left_out = plan_rows(workloads, args.optimizers, quick=args.quick, on_cpu=backend_name == "sim")
+    baselines = args.compare if "adamw" in args.optimizers else []
+    comparisons, comparisons_left_out = plan_comparisons(workloads, baselines, backend_name=backend_name)
     console = Console(width=None if Console().is_terminal else 160)
     report = run_bench(
         rows,
@@ -113,8 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
         repeats=args.repeats if args.repeats is not None else (1 if args.quick else 9),
         console=console,
+        comparisons=comparisons,
     )
-    report.skipped[:0] = left_out
+    report.skipped[:0] = [*left_out, *comparisons_left_out]
     render_table(report, console)
     console.print(f"JSON report: {report.save(args.json)}")
     return 0

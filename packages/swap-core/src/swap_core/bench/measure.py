@@ -1,12 +1,17 @@
-"""One benchmark row: the swapped and the unswapped optimizer, stepped alternately in the same run."""
+"""One benchmark row: the unswapped optimizer and another one (swapped, or an external baseline), stepped alternately.
+
+The other one is the swapped optimizer (:func:`measure_row`) or, for comparison rows, an external offloading
+baseline built by a factory (:func:`measure_comparison`), so that any stand-in can be measured on the simulator.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,9 +19,17 @@ from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..wrap import swap_optimizer
 from .link import LinkBandwidth
-from .workloads import OptimizerSpec, Workload
+from .workloads import OPTIMIZERS, OptimizerSpec, Workload
 
-__all__ = ["RowConfig", "RowResult", "measure_row"]
+__all__ = [
+    "BaselineFactory",
+    "BaselineOptimizer",
+    "ComparisonResult",
+    "RowConfig",
+    "RowResult",
+    "measure_comparison",
+    "measure_row",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +136,111 @@ def measure_row(
         peak_state_device_bytes_swapped=stats.peak_state_device_bytes,
         peak_state_device_bytes_unswapped=_state_bytes(plain),
     )
+
+
+class BaselineOptimizer(Protocol):
+    """What a comparison row steps: the part of ``torch.optim.Optimizer`` a training loop calls."""
+
+    def step(self) -> object: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+BaselineFactory = Callable[[list[torch.nn.Parameter], DeviceBackend], BaselineOptimizer]
+"""Builds a baseline AdamW that updates the given device parameters in place (the backend is theirs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparisonResult:
+    """One comparison row: plain AdamW against an external offloading baseline; timings are medians."""
+
+    workload: str
+    optimizer: str
+    """Always ``"adamw"``: the plain, on-device ``torch.optim.AdamW`` the baseline is held to."""
+    baseline: str
+    params: int
+    steps: int
+    """Steps each optimizer took (warm-up and measured) before their parameters were compared."""
+    plain_step_s: float
+    """Median of: gradients delivered through autograd, then ``step()``; see :func:`measure_comparison`."""
+    baseline_step_s: float
+    ratio: float
+    """``baseline_step_s / plain_step_s``."""
+    bitwise_equal: bool
+    """Whether every parameter equals plain AdamW's bit for bit after ``steps`` steps."""
+    max_abs_diff: float | None
+    """Largest absolute difference from plain AdamW's parameters after ``steps`` steps (0.0 when bitwise equal;
+    ``None`` when it is not finite: a NaN or infinity on either side)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def measure_comparison(
+    workload: Workload,
+    baseline: str,
+    baseline_factory: BaselineFactory,
+    backend_factory: Callable[[], DeviceBackend],
+    *,
+    warmup: int,
+    repeats: int,
+) -> ComparisonResult:
+    """Plain AdamW and the baseline ``baseline_factory`` builds, stepped alternately on the same gradients.
+
+    One step of either is: ``zero_grad(set_to_none=True)``, the workload's fixed gradients delivered with
+    ``torch.autograd.backward(params, grads)`` (so that hooks a baseline registers on gradient accumulation run,
+    as in a real backward; torchao copies gradients to the host there), then ``step()``; the timer brackets all
+    three, between device synchronizations. Results are compared, never asserted: CPU Adam kernels round
+    differently from the device's.
+    """
+    backend = backend_factory()
+    plain_params = workload.make_params(backend.device)
+    baseline_params = workload.make_params(backend.device)
+    grads = workload.make_grads(plain_params)
+    plain = OPTIMIZERS["adamw"].build(plain_params)
+    other = baseline_factory(baseline_params, backend)
+
+    def plain_step() -> None:
+        _backward_and_step(plain, plain_params, grads)
+
+    def baseline_step() -> None:
+        _backward_and_step(other, baseline_params, grads)
+
+    for _ in range(warmup):
+        plain_step()
+        baseline_step()
+    plain_times, baseline_times = [], []
+    for _ in range(repeats):  # alternate, so drifting machine load hits both alike
+        plain_times.append(_timed(plain_step, backend))
+        baseline_times.append(_timed(baseline_step, backend))
+    plain_s, baseline_s = statistics.median(plain_times), statistics.median(baseline_times)
+    bitwise_equal = all(torch.equal(a, b) for a, b in zip(plain_params, baseline_params, strict=True))
+    return ComparisonResult(
+        workload=workload.name,
+        optimizer="adamw",
+        baseline=baseline,
+        params=sum(p.numel() for p in plain_params),
+        steps=warmup + repeats,
+        plain_step_s=plain_s,
+        baseline_step_s=baseline_s,
+        ratio=baseline_s / plain_s,
+        bitwise_equal=bitwise_equal,
+        max_abs_diff=0.0 if bitwise_equal else _max_abs_diff(plain_params, baseline_params),
+    )
+
+
+def _backward_and_step(
+    optimizer: BaselineOptimizer, params: list[torch.nn.Parameter], grads: list[torch.Tensor]
+) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    torch.autograd.backward(params, grad_tensors=grads)
+    optimizer.step()
+
+
+def _max_abs_diff(left: list[torch.nn.Parameter], right: list[torch.nn.Parameter]) -> float | None:
+    with torch.no_grad():
+        diffs = [(a.double() - b.double()).abs().max().item() for a, b in zip(left, right, strict=True)]
+    return max(diffs) if all(math.isfinite(diff) for diff in diffs) else None
 
 
 def _timed(step: Callable[[], object], backend: DeviceBackend) -> float:

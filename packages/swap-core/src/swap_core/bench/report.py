@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .link import LinkBandwidth
-from .measure import RowResult
+from .measure import ComparisonResult, RowResult
 
 __all__ = ["SCHEMA", "BenchReport", "render_table"]
 
@@ -33,6 +33,8 @@ class BenchReport:
     """How the host allocator was set up (on the simulator the 'device' allocates from it)."""
     rows: list[RowResult] = dataclasses.field(default_factory=list)
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    comparisons: list[ComparisonResult] = dataclasses.field(default_factory=list)
+    """Plain AdamW against external offloading baselines (CUDA only; see ``comparisons.py``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -56,6 +58,7 @@ class BenchReport:
             },
             "rows": [row.as_dict() for row in self.rows],
             "skipped": self.skipped,
+            "comparisons": [comparison.as_dict() for comparison in self.comparisons],
         }
 
     def save(self, path: str | Path) -> Path:
@@ -91,6 +94,8 @@ def render_table(report: BenchReport, console: Console) -> None:
     for row in report.rows:
         table.add_row(*_cells(row))
     console.print(table)
+    if report.comparisons:
+        console.print(_comparison_table(report.comparisons))
     for skipped in report.skipped:
         console.print(f"[yellow]skipped[/] {skipped['row']}: {skipped['reason']}")
 
@@ -112,3 +117,20 @@ def _cells(row: RowResult) -> Sequence[str]:
         f"{row.ideal_percent:.0f}",
         f"{row.peak_state_device_bytes_swapped / 2**20:.1f}/{row.peak_state_device_bytes_unswapped / 2**20:.1f}",
     )
+
+
+def _comparison_table(comparisons: Sequence[ComparisonResult]) -> Table:
+    table = Table(title="plain AdamW vs external offloading baselines (gradients through autograd + step)")
+    for title in ("workload", "baseline", "plain ms", "baseline ms", "ratio", "bitwise", "max |diff|"):
+        table.add_column(title, justify="left" if title in ("workload", "baseline") else "right")
+    for row in comparisons:
+        table.add_row(
+            row.workload,
+            row.baseline,
+            f"{row.plain_step_s * 1e3:.1f}",
+            f"{row.baseline_step_s * 1e3:.1f}",
+            f"{row.ratio:.2f}",
+            "yes" if row.bitwise_equal else "no",
+            "non-finite" if row.max_abs_diff is None else f"{row.max_abs_diff:.2e}",
+        )
+    return table

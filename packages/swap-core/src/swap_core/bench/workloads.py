@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TypedDict
 
 import torch
 
 TensorSpecs = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 """``(shape, dtype)`` of every parameter of a workload."""
 
-__all__ = ["OPTIMIZERS", "QUICK_WORKLOADS", "WORKLOADS", "OptimizerSpec", "Workload", "transformer_shapes"]
+__all__ = [
+    "ADAMW_KWARGS",
+    "OPTIMIZERS",
+    "QUICK_WORKLOADS",
+    "WORKLOADS",
+    "AdamWKwargs",
+    "OptimizerSpec",
+    "Workload",
+    "transformer_shapes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +98,21 @@ class OptimizerSpec:
     accepts: Callable[[torch.Tensor], bool] = lambda param: True
 
 
+class AdamWKwargs(TypedDict):
+    """AdamW's hyperparameters, spelled out so that every AdamW in a run (plain, swapped, baselines) gets the same."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+ADAMW_KWARGS = AdamWKwargs(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+"""torch.optim.AdamW's defaults with ``lr=1e-3``; external baselines (DeepSpeedCPUAdam defaults to no weight decay) get
+them explicitly."""
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", lambda params: torch.optim.AdamW(params, lr=1e-3)),
+    "adamw": OptimizerSpec("adamw", lambda params: torch.optim.AdamW(params, **ADAMW_KWARGS)),
     "muon": OptimizerSpec(
         "muon", lambda params: torch.optim.Muon(params, lr=1e-3), accepts=lambda param: param.dim() == 2
     ),
