@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -34,6 +35,7 @@ from .trace import StepTrace
 __all__ = ["SwapOptimizer"]
 
 _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
+_GRAD = operator.attrgetter("grad")
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -124,12 +126,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
             try:
-                params = self._params_with_grad()
+                with_grad = self._collect_grads()
                 if not self._states_complete():
-                    self._create_missing_states(params)
+                    self._create_missing_states(self._params_with_grad())
                 plan = self._current_plan()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
-                self._every_param_ready = self._all_states_exist and len(params) == self._plan_params
+                self._every_param_ready = self._all_states_exist and with_grad == self._plan_params
                 self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace)
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
@@ -183,30 +185,35 @@ class SwapOptimizer(torch.optim.Optimizer):
             for state, slot in zip(batch.slot_states, batch.slots, strict=True):
                 state[slot.key] = slot.host_value
 
-    def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
-        """Parameters with a gradient, each checked (dense) and declared to the backend before anything moves.
+    def _collect_grads(self) -> int:
+        """Read every parameter's gradient once, check it is dense and declare it to the backend.
 
-        Runs once per step over every parameter, so it stays a bare loop (about 0.5 us per parameter); the
-        gradients it reads are kept in parameter order (``_step_grads``) for the batches to slice.
+        The gradients are kept in parameter order (``_step_grads``, dropped when the step ends) for the
+        batches to slice. Runs over every parameter in every step, so it stays a bare loop. Returns how
+        many parameters have a gradient.
         """
         assert self.backend is not None
         adopt = self.backend.adopt
-        found = []
-        grads: list[torch.Tensor | None] = []
+        grads: list[torch.Tensor | None] = list(map(_GRAD, self._ordered_params()))
         self._step_grads = grads
-        for group_index, param in self._ordered_params_with_groups():
-            grad = param.grad
-            grads.append(grad)
+        count = 0
+        for index, grad in enumerate(grads):
             if grad is None:
                 continue
             if grad.is_sparse:
+                group_index, param = self._ordered_params_with_groups()[index]
                 raise RuntimeError(
                     f"Parameter {tuple(param.shape)} of param group {group_index} has a sparse gradient; "
                     "swapping supports dense gradients only"
                 )
             adopt(grad if type(grad) is torch.Tensor else local_tensor(grad))
-            found.append((group_index, param))
-        return found
+            count += 1
+        return count
+
+    def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
+        """``(group index, parameter)`` of the parameters that have a gradient this step (after ``_collect_grads``)."""
+        ordered = self._ordered_params_with_groups()
+        return [entry for entry, grad in zip(ordered, self._step_grads, strict=True) if grad is not None]
 
     def _create_missing_states(self, params: Iterable[tuple[int, torch.Tensor]]) -> None:
         """Fresh states of parameters seen with a gradient for the first time, swapped ones born on the host.
