@@ -17,6 +17,7 @@ import torch
 
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
+from ..optimizer import SwapOptimizer
 from ..wrap import swap_optimizer
 from .link import LinkBandwidth
 from .workloads import OPTIMIZERS, OptimizerSpec, Workload
@@ -69,6 +70,8 @@ class RowResult:
     copy_floor_s: float
     copy_floor_efficiency: float | None
     """Copy floor over the time swapping added; ``None`` when it added none (copies hidden, or noise)."""
+    copies_alone_s: float
+    """Median time of the step's own copies without the optimizer (same sizes and order), timed between steps."""
     ideal_step_s: float
     ideal_percent: float
     peak_state_device_bytes_swapped: int
@@ -100,14 +103,23 @@ def measure_row(
     for _ in range(warmup):
         plain.step()
         swapped.step()
-    plain_times, swapped_times = [], []
-    for _ in range(repeats):  # alternate, so drifting machine load hits both alike
+    sizes = _transfer_sizes(swapped)
+    if sum(map(sum, sizes)) != swapped.stats.h2d_bytes:
+        raise AssertionError(
+            f"the copies alone would move {sum(map(sum, sizes))} bytes, the step {swapped.stats.h2d_bytes}"
+        )
+    copies_alone = _CopiesAlone(backend, sizes)
+    plain_times, swapped_times, floor_times = [], [], []
+    for _ in range(repeats):  # alternate, so drifting machine load hits all three alike
         plain_times.append(_timed(plain.step, backend))
         swapped_times.append(_timed(swapped.step, backend))
+        floor_times.append(_timed(copies_alone.copy, backend))
+    copies_alone.release()
     stats = swapped.stats
     plain_s, swapped_s = statistics.median(plain_times), statistics.median(swapped_times)
     swapped_bytes = stats.h2d_bytes
     floor_s = stats.h2d_bytes / link.h2d + stats.d2h_bytes / link.d2h
+    copies_alone_s = statistics.median(floor_times)
     added_s = swapped_s - plain_s
     ideal_s = max(stats.h2d_bytes / link.h2d, stats.d2h_bytes / link.d2h) * (1 + 1 / stats.batches) + (
         plain_s / stats.batches
@@ -131,6 +143,7 @@ def measure_row(
         achieved_gbps=(stats.h2d_bytes + stats.d2h_bytes) / swapped_s / 1e9,
         copy_floor_s=floor_s,
         copy_floor_efficiency=floor_s / added_s if added_s > 0 else None,
+        copies_alone_s=copies_alone_s,
         ideal_step_s=ideal_s,
         ideal_percent=100.0 * ideal_s / swapped_s,
         peak_state_device_bytes_swapped=stats.peak_state_device_bytes,
@@ -241,6 +254,52 @@ def _max_abs_diff(left: list[torch.nn.Parameter], right: list[torch.nn.Parameter
     with torch.no_grad():
         diffs = [(a.double() - b.double()).abs().max().item() for a, b in zip(left, right, strict=True)]
     return max(diffs) if all(math.isfinite(diff) for diff in diffs) else None
+
+
+class _CopiesAlone:
+    """The swapped step's own copies without the optimizer: per batch, its transfers in, then out.
+
+    The same copy sizes in the same order as the step (host regions in turn, two alternating device
+    regions like the staging arenas), timed between the steps. Informational beside the copy floor
+    (bytes over the link bandwidth): on the simulator a batch that fits the CPU caches copies back out
+    faster than the link figure, and one far larger than them slower.
+    """
+
+    def __init__(self, backend: DeviceBackend, batches: list[list[int]]) -> None:
+        self._backend = backend
+        self._stream = backend.new_stream()
+        self._batches = batches
+        largest = max((sum(sizes) for sizes in batches), default=0)
+        self._host = backend.empty_host(max(sum(map(sum, batches)), 1), torch.uint8)
+        self._host.fill_(1)
+        self._device = backend.empty((max(2 * largest, 1),), torch.uint8)
+        self._device.fill_(1)
+
+    def copy(self) -> None:
+        host_offset = 0
+        for index, sizes in enumerate(self._batches):
+            device_offset = (index % 2) * (self._device.numel() // 2)
+            pairs = []
+            for size in sizes:
+                pairs.append(
+                    (self._host[host_offset : host_offset + size], self._device[device_offset : device_offset + size])
+                )
+                host_offset += size
+                device_offset += size
+            for host, device in pairs:
+                self._backend.copy(device, host, stream=self._stream)
+            for host, device in pairs:
+                self._backend.copy(host, device, stream=self._stream)
+
+    def release(self) -> None:
+        self._backend.synchronize()
+        self._backend.release_storage(self._device)
+
+
+def _transfer_sizes(optimizer: SwapOptimizer) -> list[list[int]]:
+    """Bytes of each copy of each batch of ``optimizer``'s current plan (what one direction of a step moves)."""
+    plan = optimizer._current_plan()  # the bench belongs to swap-core: it may read the plan it measures
+    return [[host.numel() * host.element_size() for host, _ in batch.transfers] for batch in plan.batches]
 
 
 def _timed(step: Callable[[], object], backend: DeviceBackend) -> float:
