@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
-from swap_core.errors import UnsupportedOptimizerError
+from swap_core.errors import StateDictMismatchError, UnsupportedOptimizerError
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.distributed import run_distributed
@@ -130,12 +130,42 @@ def _unsupported_placement_body(rank: int, world_size: int) -> None:
         swap_optimizer(torch.optim.Muon(params), SwapConfig(backend="sim"))
 
 
+def _state_dict_loads_body(rank: int, world_size: int) -> None:
+    """A plain full-tensor Muon state dict loads onto the owners; ranks loading different entries all raise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    reference_params = [torch.nn.Parameter(weight) for weight in _full(0)]
+    reference = torch.optim.Muon(reference_params, **OPTIONS)
+    for param, grad in zip(reference_params, _full(100), strict=True):
+        param.grad = grad
+    reference.step()
+    sharded = [torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)])) for weight in _full(0)]
+    opt = swap_optimizer(torch.optim.Muon(sharded, **OPTIONS), SwapConfig(backend="sim", min_numel=16))
+    opt.load_state_dict(reference.state_dict())  # whole tensors: each owner keeps its own, no collective moves
+    for index, reference_param in enumerate(reference_params):
+        expected = reference.state[reference_param]["momentum_buffer"]
+        momentum = opt.state_dict()["state"][index]["momentum_buffer"].full_tensor()
+        assert_bitwise_equal(expected, momentum, f"rank {rank}: momentum {index} loaded from full tensors")
+    before = opt.state_dict()
+    inconsistent = opt.state_dict()
+    if rank == 1:
+        del inconsistent["state"][2]["momentum_buffer"]
+    with pytest.raises(StateDictMismatchError, match=r"'momentum_buffer' of parameter 2 differs between the ranks"):
+        opt.load_state_dict(inconsistent)
+    for index, entry in before["state"].items():  # nothing changed
+        after = opt.state_dict()["state"][index]["momentum_buffer"]
+        assert_bitwise_equal(entry["momentum_buffer"].to_local(), after.to_local(), f"rank {rank}: momentum {index}")
+
+
 def _two_rank_checks(rank: int, world_size: int) -> None:
     """One process group for every 2-rank check (starting ranks costs more than the checks)."""
     _parity_body(rank, world_size, (2,), False)
     _parity_body(rank, world_size, (2,), True)
     _mismatch_body(rank, world_size)
     _unsupported_placement_body(rank, world_size)
+    _state_dict_loads_body(rank, world_size)
 
 
 def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:
