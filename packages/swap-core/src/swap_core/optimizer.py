@@ -161,11 +161,12 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _update_batch(self, batch: PlannedBatch) -> None:
         with self._device_states_in_place(batch):
             for group_index, segment_params, segment_states, start in batch.segments:
+                segment_grads = self._step_grads[start : start + len(segment_params)]
                 if self._every_param_ready:
                     params, states = segment_params, cast("list[dict[str, Any]]", segment_states)
-                    grads = cast("list[torch.Tensor]", self._step_grads[start : start + len(params)])
+                    grads = cast("list[torch.Tensor]", segment_grads)
                 else:
-                    params, grads, states = _with_grad(segment_params, segment_states)
+                    params, grads, states = _with_grad(segment_params, segment_grads, segment_states)
                 if params:
                     group = self.param_groups[group_index]
                     self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
@@ -445,12 +446,11 @@ class SwapOptimizer(torch.optim.Optimizer):
 
 
 def _with_grad(
-    params: list[torch.Tensor], states: list[dict[str, Any] | None]
+    params: list[torch.Tensor], grads: list[torch.Tensor | None], states: list[dict[str, Any] | None]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]:
     """The parameters of a batch segment that have a gradient this step, with their gradients and states."""
     kept_params, kept_grads, kept_states = [], [], []
-    for param, state in zip(params, states, strict=True):
-        grad = param.grad
+    for param, grad, state in zip(params, grads, states, strict=True):
         if grad is None:
             continue
         assert state is not None, "states of parameters with a gradient exist before the pipeline"
