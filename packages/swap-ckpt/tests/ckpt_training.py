@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import save
 from torch.utils._pytree import tree_map, tree_map_only
 
+from swap_ckpt import AppState, load_checkpoint
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
@@ -103,6 +107,36 @@ def assert_snapshots_equal(expected: dict[str, Any], actual: dict[str, Any], con
     for fqn, tensor in expected["model"].items():
         assert_bitwise_equal(tensor, actual["model"][fqn], f"{context}: model {fqn}")
     assert_state_dicts_equal(expected["optim"], actual["optim"], f"{context}: optimizer")
+
+
+def check_interop_both_ways(
+    build: Callable[[bool], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    rank: int,
+    directory: Path,
+    at_save: dict[str, Any],
+    *,
+    steps: int,
+    options: StateDictOptions | None = None,
+) -> None:
+    """The swapped run's checkpoint (``directory/swapped``) loads into plain AdamW with ``at_save``'s values; a plain
+    run of ``steps`` steps reaches ``at_save`` bitwise, and its checkpoint loads into swapped AdamW.
+
+    ``build(swapped)`` makes the model and optimizer of the layout under test.
+    """
+    model, optimizer = build(False)
+    load_checkpoint({"app": AppState(model, optimizer, options=options)}, directory / "swapped")
+    assert_snapshots_equal(at_save, local_snapshot(model, optimizer), f"rank {rank} swapped -> plain")
+
+    model, optimizer = build(False)
+    train(model, optimizer, 0, steps, rank)
+    plain_at_save = local_snapshot(model, optimizer)
+    # Swapping is bitwise: the plain run reached the swapped run's state.
+    assert_snapshots_equal(at_save, plain_at_save, f"rank {rank} plain vs swapped training")
+    save({"app": AppState(model, optimizer, options=options)}, checkpoint_id=directory / "plain")
+
+    model, optimizer = build(True)
+    load_checkpoint({"app": AppState(model, optimizer, options=options)}, directory / "plain")
+    assert_snapshots_equal(plain_at_save, local_snapshot(model, optimizer), f"rank {rank} plain -> swapped")
 
 
 def _local_clone(tensor: torch.Tensor) -> torch.Tensor:

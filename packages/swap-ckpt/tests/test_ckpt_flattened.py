@@ -18,7 +18,15 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_training import adamw, assert_snapshots_equal, build_layers, local_snapshot, shard, train
+from ckpt_training import (
+    adamw,
+    assert_snapshots_equal,
+    build_layers,
+    check_interop_both_ways,
+    local_snapshot,
+    shard,
+    train,
+)
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -55,32 +63,15 @@ def _first_world(rank: int, world_size: int, directory: Path) -> None:
     train(model, optimizer, FIRST, SECOND, rank)
     torch.save({"at_save": at_save, "final": local_snapshot(model, optimizer)}, directory / f"expected_{rank}.pt")
 
-    _swapped_checkpoint_loads_into_plain_adamw(world_size, rank, directory, at_save)
-    _plain_checkpoint_loads_into_swapped_adamw(world_size, rank, directory, at_save)
+    check_interop_both_ways(
+        lambda swapped: _reference(world_size, swapped=swapped, rank=rank),
+        rank,
+        directory,
+        at_save,
+        steps=FIRST,
+        options=FLATTENED,
+    )
     _flattened_and_nested_refuse_each_other(model, optimizer, rank, directory)
-
-
-def _swapped_checkpoint_loads_into_plain_adamw(
-    world_size: int, rank: int, directory: Path, at_save: dict[str, Any]
-) -> None:
-    model, optimizer = _reference(world_size, swapped=False, rank=rank)
-    load_checkpoint(_flattened(model, optimizer), directory / "swapped")
-    assert_snapshots_equal(at_save, local_snapshot(model, optimizer), f"rank {rank} swapped -> plain")
-
-
-def _plain_checkpoint_loads_into_swapped_adamw(
-    world_size: int, rank: int, directory: Path, at_save: dict[str, Any]
-) -> None:
-    model, optimizer = _reference(world_size, swapped=False, rank=rank)
-    train(model, optimizer, 0, FIRST, rank)
-    plain_at_save = local_snapshot(model, optimizer)
-    # Swapping is bitwise: the plain run reached the swapped run's state.
-    assert_snapshots_equal(at_save, plain_at_save, f"rank {rank} plain vs swapped training")
-    dcp_save(_flattened(model, optimizer), checkpoint_id=directory / "plain")
-
-    model, optimizer = _reference(world_size, swapped=True, rank=rank)
-    load_checkpoint(_flattened(model, optimizer), directory / "plain")
-    assert_snapshots_equal(plain_at_save, local_snapshot(model, optimizer), f"rank {rank} plain -> swapped")
 
 
 def _flattened_and_nested_refuse_each_other(

@@ -25,6 +25,7 @@ from ckpt_training import (
     adamw,
     assert_snapshots_equal,
     build_layers,
+    check_interop_both_ways,
     full_snapshot,
     gathered,
     local_snapshot,
@@ -68,8 +69,9 @@ def _first_world(rank: int, world_size: int, directory: Path) -> None:
     pending.result()
     torch.save({"at_save": at_save, "final": local_snapshot(model, optimizer)}, directory / f"expected_{rank}.pt")
 
-    _swapped_checkpoint_loads_into_plain_adamw(world_size, rank, directory, at_save)
-    _plain_checkpoint_loads_into_swapped_adamw(world_size, rank, directory, at_save)
+    check_interop_both_ways(
+        lambda swapped: _reference(world_size, swapped=swapped, rank=rank), rank, directory, at_save, steps=FIRST
+    )
     _bad_checkpoints_leave_live_state_untouched(model, optimizer, world_size, rank, directory)
     _ranks_disagreeing_on_the_init_step_fail_together(world_size, rank)
 
@@ -84,29 +86,6 @@ def _save_within_device_bound(
     # Saving holds only the (tiny) resident states on the device: nothing swapped comes back.
     assert sim.max_memory_allocated() == stats.resident_state_device_bytes, (rank, sim.max_memory_allocated())
     assert 0 < stats.resident_state_device_bytes < stats.peak_state_device_bytes, stats
-
-
-def _swapped_checkpoint_loads_into_plain_adamw(
-    world_size: int, rank: int, directory: Path, at_save: dict[str, Any]
-) -> None:
-    model, optimizer = _reference(world_size, swapped=False, rank=rank)
-    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=directory / "swapped")
-    assert_snapshots_equal(at_save, local_snapshot(model, optimizer), f"rank {rank} swapped -> plain")
-
-
-def _plain_checkpoint_loads_into_swapped_adamw(
-    world_size: int, rank: int, directory: Path, at_save: dict[str, Any]
-) -> None:
-    model, optimizer = _reference(world_size, swapped=False, rank=rank)
-    train(model, optimizer, 0, FIRST, rank)
-    plain_at_save = local_snapshot(model, optimizer)
-    # Swapping is bitwise: the plain run reached the swapped run's state.
-    assert_snapshots_equal(at_save, plain_at_save, f"rank {rank} plain vs swapped training")
-    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=directory / "plain")
-
-    model, optimizer = _reference(world_size, swapped=True, rank=rank)
-    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=directory / "plain")
-    assert_snapshots_equal(plain_at_save, local_snapshot(model, optimizer), f"rank {rank} plain -> swapped")
 
 
 def _save_variant(world_size: int, rank: int, checkpoint: Path, **variant: Any) -> None:

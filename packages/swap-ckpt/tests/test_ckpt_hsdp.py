@@ -11,12 +11,21 @@ bitwise the uninterrupted run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from ckpt_training import HIDDEN, IN_FEATURES, adamw, assert_snapshots_equal, build_layers, local_snapshot, shard, train
+from ckpt_training import (
+    HIDDEN,
+    IN_FEATURES,
+    adamw,
+    assert_snapshots_equal,
+    build_layers,
+    check_interop_both_ways,
+    local_snapshot,
+    shard,
+    train,
+)
 
 from swap_ckpt import AppState, load_checkpoint
 from swap_core.testing.distributed import run_distributed
@@ -44,31 +53,9 @@ def _first_world(rank: int, world_size: int, directory: Path) -> None:
     train(model, optimizer, FIRST, SECOND, rank)
     torch.save({"at_save": at_save, "final": local_snapshot(model, optimizer)}, directory / f"expected_{rank}.pt")
 
-    _swapped_checkpoint_loads_into_plain_adamw(world_size, rank, directory, at_save)
-    _plain_checkpoint_loads_into_swapped_adamw(world_size, rank, directory, at_save)
-
-
-def _swapped_checkpoint_loads_into_plain_adamw(
-    world_size: int, rank: int, directory: Path, at_save: dict[str, Any]
-) -> None:
-    model, optimizer = _hsdp(world_size, swapped=False, rank=rank)
-    load_checkpoint({"app": AppState(model, optimizer)}, directory / "swapped")
-    assert_snapshots_equal(at_save, local_snapshot(model, optimizer), f"rank {rank} swapped -> plain")
-
-
-def _plain_checkpoint_loads_into_swapped_adamw(
-    world_size: int, rank: int, directory: Path, at_save: dict[str, Any]
-) -> None:
-    model, optimizer = _hsdp(world_size, swapped=False, rank=rank)
-    train(model, optimizer, 0, FIRST, rank)
-    plain_at_save = local_snapshot(model, optimizer)
-    # Swapping is bitwise under HSDP too: the plain run reached the swapped run's state.
-    assert_snapshots_equal(at_save, plain_at_save, f"rank {rank} plain vs swapped training")
-    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=directory / "plain")
-
-    model, optimizer = _hsdp(world_size, swapped=True, rank=rank)
-    load_checkpoint({"app": AppState(model, optimizer)}, directory / "plain")
-    assert_snapshots_equal(plain_at_save, local_snapshot(model, optimizer), f"rank {rank} plain -> swapped")
+    check_interop_both_ways(
+        lambda swapped: _hsdp(world_size, swapped=swapped, rank=rank), rank, directory, at_save, steps=FIRST
+    )
 
 
 def _resume_world(rank: int, world_size: int, directory: Path) -> None:
