@@ -70,6 +70,9 @@ def _worker(rank: int, world_size: int, port: int, body: RankBody, args: tuple[A
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
             body(rank, world_size, *args)
+            # Tear the groups down together: a rank destroying them while its peer is still in a collective
+            # on them can abort in gloo's teardown ("terminate called without an active exception").
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException:
