@@ -36,6 +36,7 @@ __all__ = ["SwapOptimizer"]
 
 _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 _GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -190,26 +191,24 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Read every parameter's gradient once, check it is dense and declare it to the backend.
 
         The gradients are kept in parameter order (``_step_grads``, dropped when the step ends) for the
-        batches to slice. Runs over every parameter in every step, so it stays a bare loop. Returns how
+        batches to slice. Runs over every parameter in every step, so it stays lean (C-level scans). Returns how
         many parameters have a gradient.
         """
         assert self.backend is not None
-        adopt = self.backend.adopt
         grads: list[torch.Tensor | None] = list(map(_GRAD, self._ordered_params()))
         self._step_grads = grads
-        count = 0
-        for index, grad in enumerate(grads):
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                group_index, param = self._ordered_params_with_groups()[index]
-                raise RuntimeError(
-                    f"Parameter {tuple(param.shape)} of param group {group_index} has a sparse gradient; "
-                    "swapping supports dense gradients only"
-                )
+        present = [grad for grad in grads if grad is not None]
+        if any(map(_IS_SPARSE, present)):
+            index = next(i for i, grad in enumerate(grads) if grad is not None and grad.is_sparse)
+            group_index, param = self._ordered_params_with_groups()[index]
+            raise RuntimeError(
+                f"Parameter {tuple(param.shape)} of param group {group_index} has a sparse gradient; "
+                "swapping supports dense gradients only"
+            )
+        adopt = self.backend.adopt
+        for grad in present:
             adopt(grad if type(grad) is torch.Tensor else local_tensor(grad))
-            count += 1
-        return count
+        return len(present)
 
     def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
         """``(group index, parameter)`` of the parameters that have a gradient this step (after ``_collect_grads``)."""
