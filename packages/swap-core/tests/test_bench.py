@@ -24,7 +24,7 @@ pytestmark = pytest.mark.sim_only
 ROW_FIELDS = {
     "workload", "optimizer", "swap_times", "packed", "duplex", "params", "plain_step_s", "swapped_step_s", "ratio",
     "swapped_state_bytes", "h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "batches", "achieved_gbps",
-    "copy_floor_s", "copy_floor_efficiency", "copies_alone_s", "ideal_step_s", "ideal_percent",
+    "added_s", "copy_floor_s", "copy_floor_efficiency", "copies_alone_s", "ideal_step_s", "ideal_percent",
     "peak_state_device_bytes_swapped", "peak_state_device_bytes_unswapped",
 }  # fmt: skip
 
@@ -50,6 +50,11 @@ def test_schema(report: dict[str, Any]) -> None:
     for row in report["rows"]:
         assert set(row) == ROW_FIELDS
         assert row["plain_step_s"] > 0 and row["swapped_step_s"] > 0 and row["copies_alone_s"] > 0
+        # The efficiency is the copy floor over the paired added time (None when swapping added nothing).
+        if row["added_s"] > 0:
+            assert row["copy_floor_efficiency"] == pytest.approx(row["copy_floor_s"] / row["added_s"])
+        else:
+            assert row["copy_floor_efficiency"] is None
 
 
 def _rows(report: dict[str, Any], workload: str) -> list[dict[str, Any]]:

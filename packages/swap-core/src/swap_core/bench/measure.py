@@ -67,9 +67,11 @@ class RowResult:
     d2h_copies: int
     batches: int
     achieved_gbps: float
+    added_s: float
+    """Median over the alternating pairs of (swapped step - the plain step just before it): what swapping added."""
     copy_floor_s: float
     copy_floor_efficiency: float | None
-    """Copy floor over the time swapping added; ``None`` when it added none (copies hidden, or noise)."""
+    """Copy floor over ``added_s``; ``None`` when swapping added nothing (copies hidden, or noise)."""
     copies_alone_s: float
     """Median time of the step's own copies without the optimizer (same sizes and order), timed between steps."""
     ideal_step_s: float
@@ -120,7 +122,9 @@ def measure_row(
     swapped_bytes = stats.h2d_bytes
     floor_s = stats.h2d_bytes / link.h2d + stats.d2h_bytes / link.d2h
     copies_alone_s = statistics.median(floor_times)
-    added_s = swapped_s - plain_s
+    # Each swapped step is paired with the plain step timed just before it: load that drifts over the run
+    # cancels out of the differences, which the difference of the two medians does not do.
+    added_s = statistics.median(s - p for s, p in zip(swapped_times, plain_times, strict=True))
     ideal_s = max(stats.h2d_bytes / link.h2d, stats.d2h_bytes / link.d2h) * (1 + 1 / stats.batches) + (
         plain_s / stats.batches
     )
@@ -141,6 +145,7 @@ def measure_row(
         d2h_copies=stats.d2h_copies,
         batches=stats.batches,
         achieved_gbps=(stats.h2d_bytes + stats.d2h_bytes) / swapped_s / 1e9,
+        added_s=added_s,
         copy_floor_s=floor_s,
         copy_floor_efficiency=floor_s / added_s if added_s > 0 else None,
         copies_alone_s=copies_alone_s,
