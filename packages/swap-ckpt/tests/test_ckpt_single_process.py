@@ -11,7 +11,14 @@ import torch.distributed.checkpoint as dcp
 from ckpt_training import build_layers, local_snapshot
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from swap_ckpt import AppState, CheckpointFileError, host_snapshot, load_checkpoint, needs_state_init
+from swap_ckpt import (
+    AppState,
+    CheckpointFileError,
+    host_snapshot,
+    live_storages,
+    load_checkpoint,
+    needs_state_init,
+)
 from swap_ckpt.flat_state import is_flat_optimizer_state, nest_flat_optimizer_state
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.sim import SimBackend
@@ -163,6 +170,31 @@ def test_state_dict_holds_host_copies_not_the_live_host_mirrors() -> None:
             assert value.untyped_storage().data_ptr() not in live_storages, f"{fqn}.{key} shares live storage"
     _train(model, [optimizer], 1, 2)
     assert_state_dicts_equal(expected, saved, "state dict after two more steps")
+
+
+def test_snapshot_with_optimizers_copies_only_what_shares_live_storage() -> None:
+    """Fresh tensors (distributed Muon's exported shards, a full state dict) are private already: no second copy."""
+    model = build_layers()
+    optimizer = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2)), CONFIG)
+    _train(model, [optimizer], 0, 1)
+    saved = optimizer.state_dict()
+    first = next(iter(saved["state"]))
+    fresh = saved["state"][first]["exp_avg"].clone()
+    live_view = saved["state"][first]["exp_avg_sq"][:3]  # a view of a host mirror: the same storage
+    saved["state"][first] = {**saved["state"][first], "exp_avg": fresh, "view": live_view}
+    snapshot = host_snapshot(saved, [optimizer])
+    assert snapshot["state"][first]["exp_avg"] is fresh
+    live = live_storages([optimizer])
+    for fqn, state in snapshot["state"].items():
+        for key, value in state.items():
+            if value is not fresh:
+                assert (value.device, value.untyped_storage().data_ptr()) not in live, f"{fqn}.{key} is live"
+    assert torch.equal(snapshot["state"][first]["view"], live_view)
+    # The tensor learning rate is a live hyper-parameter (schedulers fill it in place): copied too.
+    assert snapshot["param_groups"][0]["lr"] is not optimizer.param_groups[0]["lr"]
+    assert torch.equal(snapshot["param_groups"][0]["lr"], optimizer.param_groups[0]["lr"])
+    # Without optimizers every tensor is copied, as before.
+    assert host_snapshot(saved)["state"][first]["exp_avg"] is not fresh
 
 
 def test_truncated_checkpoint_names_the_file_and_leaves_state_untouched(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from .__about__ import __version__
 from .app_state import AppState
 from .errors import CheckpointFileError, CheckpointMismatchError, StateInitDivergenceError
 from .flat_state import is_flat_optimizer_state, nest_flat_optimizer_state
-from .host_snapshot import host_copy, host_snapshot
+from .host_snapshot import host_copy, host_snapshot, live_storages
 from .init_guard import check_uniform_state_init, initialize_swapped_states, needs_state_init
 from .loading import load_checkpoint
 from .planner import StrictLoadPlanner
@@ -25,6 +25,7 @@ __all__ = [
     "host_snapshot",
     "initialize_swapped_states",
     "is_flat_optimizer_state",
+    "live_storages",
     "load_checkpoint",
     "needs_state_init",
     "nest_flat_optimizer_state",

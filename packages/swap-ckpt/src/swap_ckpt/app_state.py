@@ -38,9 +38,10 @@ class AppState(Stateful):
     traffic; see :func:`~swap_ckpt.init_guard.initialize_swapped_states`), so
     torch's zero-gradient initializing step only ever runs for plain
     optimizers. Each optimizer's ``state_dict()`` is its checkpoint layout
-    (distributed Muon's owners scatter their momentum into per-shard DTensors,
-    a collective). Its optimizer tensors are private host copies of
-    the swapped host mirrors (:mod:`swap_ckpt.host_snapshot`): an async save
+    (distributed Muon's owners scatter their momentum into fresh per-shard
+    DTensors, a collective). Its optimizer tensors are private: host copies of
+    whatever shares storage with live state, such as the swapped host mirrors
+    (:mod:`swap_ckpt.host_snapshot`); tensors already fresh are not copied again. An async save
     reads the state as it was at the call, whatever steps follow, and a load
     writes into the copies, never into live state. :meth:`load_state_dict`
     hands them to ``set_state_dict`` (a flattened dict nested by its own keys
@@ -76,7 +77,7 @@ class AppState(Stateful):
         initialize_swapped_states(self.optimizers)
         check_uniform_state_init(self.optimizers)
         model_state, optim_state = get_state_dict(self.model, self.optimizers, options=self.options)
-        return {MODEL_KEY: model_state, OPTIM_KEY: host_snapshot(dict(optim_state))}
+        return {MODEL_KEY: model_state, OPTIM_KEY: host_snapshot(dict(optim_state), self.optimizers)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict of :meth:`state_dict`'s form (as ``dcp.load`` fills it) into the model and optimizers."""
