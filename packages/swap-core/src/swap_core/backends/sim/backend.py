@@ -313,7 +313,8 @@ class SimBackend:
     def record_event(self, stream: Stream, *, timing: bool = False) -> Event:
         """An event at the current end of ``stream`` (always complete on the eager compute stream).
 
-        Every event carries the host clock at record time; ``timing`` changes nothing here.
+        Every event is stamped with the host clock when it completes (see :meth:`elapsed_seconds`);
+        ``timing`` changes nothing here.
         """
         self._tick()
         sim_stream = self._own_stream(stream)
@@ -321,9 +322,16 @@ class SimBackend:
         return SimEvent(self, sim_stream, sim_stream.enqueued, snapshot, time.perf_counter())
 
     def elapsed_seconds(self, start: Event, end: Event) -> float:
-        """Simulated time between two events: host time between their records (exact in sync mode)."""
-        self._own_event(end).synchronize()
-        return self._own_event(end).recorded_at - self._own_event(start).recorded_at
+        """Simulated time between two events: host time between their completions (runs their streams up to them).
+
+        An event completes when its stream's queued work before it has run; in ``sync`` mode that is when it
+        was recorded, in ``lazy`` and ``random`` mode whenever that work was forced to run.
+        """
+        start_event, end_event = self._own_event(start), self._own_event(end)
+        start_event.synchronize()
+        end_event.synchronize()
+        assert start_event.completed_at is not None and end_event.completed_at is not None
+        return end_event.completed_at - start_event.completed_at
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """A copy stream queues the wait; the eager compute stream runs the event's stream up to it right away."""

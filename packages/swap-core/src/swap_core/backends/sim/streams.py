@@ -6,11 +6,17 @@ a wait on one of its events from the compute stream, an event or device
 synchronize, or the random scheduler. Queued work therefore runs as late as the
 ordering allows (or at a seeded random point), which is what makes a missing wait
 visible as a wrong number. An event is just a position in its stream's queue.
+
+Timing is a simulated clock read off the host's: an event completes when its
+stream's queue has run up to it, and is stamped with the host clock at that
+moment (at record time when nothing was pending), so intervals between events
+measure when the queued work actually ran, in every mode.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -45,7 +51,7 @@ class QueuedWait:
 class SimStream:
     """A simulated stream; ``enqueued``/``completed`` count queued ops and give events their positions."""
 
-    __slots__ = ("completed", "enqueued", "is_compute", "name", "queue")
+    __slots__ = ("completed", "enqueued", "is_compute", "name", "queue", "unfinished_events")
 
     def __init__(self, name: str, *, is_compute: bool = False) -> None:
         self.name = name
@@ -53,6 +59,16 @@ class SimStream:
         self.queue: deque[QueuedCopy | QueuedWait] = deque()
         self.enqueued = 0
         self.completed = 0
+        self.unfinished_events: deque[SimEvent] = deque()
+        """Events recorded behind pending work, in position order, waiting for their completion time."""
+
+    def stamp_finished_events(self) -> None:
+        """Give the events the queue has now run up to their completion time: the host clock now."""
+        events = self.unfinished_events
+        if events and events[0].position <= self.completed:
+            now = time.perf_counter()
+            while events and events[0].position <= self.completed:
+                events.popleft().completed_at = now
 
     def __repr__(self) -> str:
         return f"SimStream({self.name!r}, pending={len(self.queue)})"
@@ -69,7 +85,7 @@ class EventOwner(Protocol):
 class SimEvent:
     """The point of ``stream``'s queue reached when the event was recorded."""
 
-    __slots__ = ("owner", "position", "recorded_at", "snapshot", "stream")
+    __slots__ = ("completed_at", "owner", "position", "recorded_at", "snapshot", "stream")
 
     def __init__(
         self, owner: EventOwner, stream: SimStream, position: int, snapshot: VectorClock | None, recorded_at: float
@@ -79,7 +95,11 @@ class SimEvent:
         self.position = position
         self.snapshot = snapshot
         self.recorded_at = recorded_at
-        """Host clock when recorded: the simulated clock (faithful in sync mode, where work runs when issued)."""
+        """Host clock when recorded."""
+        self.completed_at: float | None = recorded_at if self.done else None
+        """Host clock when the work before the event had run: the simulated clock (``None`` until then)."""
+        if self.completed_at is None:
+            stream.unfinished_events.append(self)
 
     @property
     def done(self) -> bool:
@@ -151,5 +171,8 @@ class StreamScheduler:
         # Pop before running: a copy that fails is dropped, like a faulted kernel, so the queue cannot wedge.
         stream.queue.popleft()
         stream.completed += 1
-        if isinstance(op, QueuedCopy):
-            self._execute_copy(op)
+        try:
+            if isinstance(op, QueuedCopy):
+                self._execute_copy(op)
+        finally:
+            stream.stamp_finished_events()
