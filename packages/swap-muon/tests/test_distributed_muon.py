@@ -16,6 +16,7 @@ from swap_core.testing.distributed import run_distributed
 from swap_muon import owner_checkpoint
 from swap_muon.distributed import DistributedMuonAdapter, PlanMismatchError
 from swap_muon.owner_plan import plan_owners
+from swap_muon.row_exchange import gather_rows_to_owners, scatter_rows_from_owners
 
 pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
 
@@ -159,8 +160,38 @@ def _state_dict_loads_body(rank: int, world_size: int) -> None:
         assert_bitwise_equal(entry["momentum_buffer"].to_local(), after.to_local(), f"rank {rank}: momentum {index}")
 
 
+def _row_exchange_body(rank: int, world_size: int) -> None:
+    """The batch collectives alone: mixed dtypes and odd byte sizes in one buffer, an empty block, bad rows."""
+    group = dist.group.WORLD
+    assert group is not None
+    generator = torch.Generator().manual_seed(7)
+    fulls = [
+        torch.randn(5, 3, generator=generator).to(torch.bfloat16),  # 2 x 3 x 2 bytes on rank 1: not 16-aligned
+        torch.randn(4, 7, generator=generator),
+        torch.randn(1, 2, generator=generator).to(torch.float64),  # rank 1 holds no row
+    ]
+    owners = [1, 0, 1]
+    shapes = [full.shape for full in fulls]
+    blocks = [
+        torch.chunk(full, world_size)[rank] if rank < len(torch.chunk(full, world_size)) else full[:0] for full in fulls
+    ]
+    gathered = gather_rows_to_owners(blocks, shapes, owners, group)
+    for index, (full, owner) in enumerate(zip(fulls, owners, strict=True)):
+        if owner == rank:
+            assert_bitwise_equal(full, gathered[index], f"rank {rank}: matrix {index} gathered on its owner")
+        else:
+            assert gathered[index] is None
+    updates = [full.to(torch.bfloat16) if owner == rank else None for full, owner in zip(fulls, owners, strict=True)]
+    scattered = scatter_rows_from_owners(updates, shapes, torch.bfloat16, owners, group, torch.device("cpu"))
+    for index, (block, received) in enumerate(zip(blocks, scattered, strict=True)):
+        assert_bitwise_equal(block.to(torch.bfloat16), received, f"rank {rank}: rows of matrix {index}")
+    with pytest.raises(ValueError, match=r"Matrix 1 \(4, 7\): this rank holds 4 rows, torch.chunk over 2 ranks"):
+        gather_rows_to_owners([blocks[0], fulls[1], blocks[2]], shapes, owners, group)
+
+
 def _two_rank_checks(rank: int, world_size: int) -> None:
     """One process group for every 2-rank check (starting ranks costs more than the checks)."""
+    _row_exchange_body(rank, world_size)
     _parity_body(rank, world_size, (2,), False)
     _parity_body(rank, world_size, (2,), True)
     _mismatch_body(rank, world_size)

@@ -1,13 +1,14 @@
 """Muon for DTensor (FSDP2 / HSDP) parameters: whole-matrix math on one owner rank per parameter.
 
 Running Muon on each rank's local shard is wrong: Newton-Schulz must see the
-whole matrix. Per pipeline batch, for every parameter in it:
+whole matrix. Per pipeline batch:
 
-1. the gradient shards are gathered on the parameter's owner (shard-group rank);
-2. the owner updates its full-size momentum, which only it holds (swapped to its
+1. the gradient shards of all its parameters go to their owners (shard-group
+   ranks) in one ``all_to_all``;
+2. each owner updates its full-size momentum, which only it holds (swapped to its
    host memory by swap-core like any state), and orthogonalizes;
-3. the update is scattered back and every rank applies its own rows, with the
-   same elementwise ops as ``torch.optim.Muon``.
+3. the updates come back in one ``all_to_all`` and every rank applies its own
+   rows, with the same elementwise ops as ``torch.optim.Muon``.
 
 Every rank walks the same batches (the adapter gives swap-core rank-independent
 costs) and issues the same collectives in the same order. With HSDP the plan
@@ -29,7 +30,7 @@ from swap_core.errors import UnsupportedOptimizerError
 
 from .owner_checkpoint import gather_owner_momentum, scatter_owner_momentum
 from .owner_plan import OwnerPlan, plan_owners, state_bytes
-from .rows import as_bytes, chunk_rows, padded_rows
+from .row_exchange import gather_rows_to_owners, scatter_rows_from_owners
 
 __all__ = ["DistributedMuonAdapter", "PlanMismatchError", "ShardGroup", "shard_group_of"]
 
@@ -134,60 +135,26 @@ class DistributedMuonAdapter(StateSwapAdapter):
     def _gather_to_owners(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
-        """Full gradients on their owners (``None`` elsewhere); one asynchronous gather per parameter."""
-        shards = self.shards
-        works, received = [], []
-        for param, grad in zip(params, grads, strict=True):
-            owner = self.owner_of(param)
-            rows = chunk_rows(param.shape[0], shards.size)
-            local = grad.to_local()  # type: ignore[attr-defined]
-            padded = local.new_zeros((max(rows), *param.shape[1:]))
-            padded[: local.shape[0]].copy_(local)
-            chunks = [torch.empty_like(padded) for _ in range(shards.size)] if owner == shards.rank else None
-            works.append(
-                dist.gather(
-                    as_bytes(padded),
-                    [as_bytes(chunk) for chunk in chunks] if chunks is not None else None,
-                    dst=shards.global_rank(owner),
-                    group=shards.group,
-                    async_op=True,
-                )
-            )
-            received.append((chunks, rows))
-        for work in works:
-            work.wait()
-        return [
-            torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)]) if chunks else None
-            for chunks, rows in received
-        ]
+        """Full gradients on their owners (``None`` elsewhere): one ``all_to_all`` for the whole batch."""
+        return gather_rows_to_owners(
+            [grad.to_local() for grad in grads],  # type: ignore[attr-defined]
+            [param.shape for param in params],
+            [self.owner_of(param) for param in params],
+            self.shards.group,
+        )
 
     def _scatter_from_owners(
         self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor | None]
     ) -> list[torch.Tensor]:
-        """Each rank's rows of each owner's update; one asynchronous scatter per parameter."""
-        shards = self.shards
-        works, outputs = [], []
-        for param, update in zip(params, updates, strict=True):
-            owner = self.owner_of(param)
-            rows = chunk_rows(param.shape[0], shards.size)
-            # Newton-Schulz returns bfloat16, whatever the parameter's dtype.
-            output = torch.empty((max(rows), *param.shape[1:]), dtype=torch.bfloat16, device=_local_device(param))
-            pieces = None
-            if update is not None:
-                pieces = [padded_rows(block, max(rows)) for block in torch.split(update, rows)]
-            works.append(
-                dist.scatter(
-                    as_bytes(output),
-                    [as_bytes(piece) for piece in pieces] if pieces is not None else None,
-                    src=shards.global_rank(owner),
-                    group=shards.group,
-                    async_op=True,
-                )
-            )
-            outputs.append(output[: rows[shards.rank]])
-        for work in works:
-            work.wait()
-        return outputs
+        """Each rank's rows of each owner's update: one ``all_to_all`` for the whole batch."""
+        return scatter_rows_from_owners(
+            updates,
+            [param.shape for param in params],
+            torch.bfloat16,  # Newton-Schulz returns bfloat16, whatever the parameter's dtype
+            [self.owner_of(param) for param in params],
+            self.shards.group,
+            _local_device(params[0]),
+        )
 
 
 def _owner_update(full_grad: torch.Tensor, buffer: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
