@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from swap_core.runtime.packed import align_up
+
 from .rows import as_bytes, chunk_rows
 
 __all__ = ["PIECE_ALIGN_BYTES", "gather_rows_to_owners", "scatter_rows_from_owners"]
@@ -38,7 +40,7 @@ def gather_rows_to_owners(
     rank ``owners[i]``); all blocks share a device, and a matrix's dtype is its block's on every rank.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout = _Layout(shapes, [block.dtype for block in local_rows], size)
+    layout = _Layout(shapes, [block.dtype for block in local_rows], owners, size)
     for index, block in enumerate(local_rows):
         expected = layout.rows[index][rank]
         if block.shape[0] != expected:
@@ -48,15 +50,15 @@ def gather_rows_to_owners(
             )
     device = local_rows[0].device if local_rows else torch.device("cpu")
     # To each owner: this rank's rows of the matrices it owns. From each rank: its rows of this rank's.
-    send_sizes = [layout.total(layout.owned_by(dest, owners), rank) for dest in range(size)]
+    send_sizes = [layout.total(layout.owned[dest], rank) for dest in range(size)]
     send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
     offset = 0
     for dest in range(size):
-        for index in layout.owned_by(dest, owners):
+        for index in layout.owned[dest]:
             nbytes = layout.piece_bytes(index, rank)
             send[offset : offset + nbytes].copy_(as_bytes(local_rows[index]).reshape(-1))
-            offset += _aligned(nbytes)
-    mine = layout.owned_by(rank, owners)
+            offset += align_up(nbytes, PIECE_ALIGN_BYTES)
+    mine = layout.owned[rank]
     recv_sizes = [layout.total(mine, source) for source in range(size)]
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
@@ -71,7 +73,7 @@ def gather_rows_to_owners(
             full = fulls[index]
             assert full is not None
             full.view(-1).view(torch.uint8)[start : start + nbytes].copy_(recv[offset : offset + nbytes])
-            offset += _aligned(nbytes)
+            offset += align_up(nbytes, PIECE_ALIGN_BYTES)
     return fulls
 
 
@@ -88,8 +90,8 @@ def scatter_rows_from_owners(
     Every matrix has ``dtype``; the returned blocks are views into one receive buffer on ``device``.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout = _Layout(shapes, [dtype] * len(shapes), size)
-    mine = layout.owned_by(rank, owners)
+    layout = _Layout(shapes, [dtype] * len(shapes), owners, size)
+    mine = layout.owned[rank]
     for index, full in enumerate(fulls):
         if (full is not None) != (index in mine) or (full is not None and full.dtype != dtype):
             raise ValueError(
@@ -107,18 +109,18 @@ def scatter_rows_from_owners(
             first = layout.first_row[index][dest]
             block = full[first : first + layout.rows[index][dest]]
             send[offset : offset + nbytes].copy_(as_bytes(block).reshape(-1))
-            offset += _aligned(nbytes)
-    recv_sizes = [layout.total(layout.owned_by(source, owners), rank) for source in range(size)]
+            offset += align_up(nbytes, PIECE_ALIGN_BYTES)
+    recv_sizes = [layout.total(layout.owned[source], rank) for source in range(size)]
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
     blocks: list[torch.Tensor | None] = [None] * len(shapes)
     offset = 0
     for source in range(size):
-        for index in layout.owned_by(source, owners):
+        for index in layout.owned[source]:
             nbytes = layout.piece_bytes(index, rank)
             rows = (layout.rows[index][rank], *shapes[index][1:])
             blocks[index] = recv[offset : offset + nbytes].view(dtype).view(rows)
-            offset += _aligned(nbytes)
+            offset += align_up(nbytes, PIECE_ALIGN_BYTES)
     received = [block for block in blocks if block is not None]
     assert len(received) == len(shapes), "every matrix has an owner"
     return received
@@ -127,14 +129,15 @@ def scatter_rows_from_owners(
 class _Layout:
     """Row counts and byte sizes of each matrix's blocks, identical on every rank."""
 
-    def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], size: int) -> None:
+    def __init__(
+        self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], owners: Sequence[int], size: int
+    ) -> None:
         self.dtypes = list(dtypes)
+        self.owned = [[index for index, owner in enumerate(owners) if owner == rank] for rank in range(size)]
+        """The matrices each rank owns, in batch order."""
         self.rows = [chunk_rows(shape[0], size) for shape in shapes]
         self.first_row = [[sum(rows[:rank]) for rank in range(size)] for rows in self.rows]
         self.row_bytes = [math.prod(shape[1:]) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)]
-
-    def owned_by(self, owner: int, owners: Sequence[int]) -> list[int]:
-        return [index for index, owned in enumerate(owners) if owned == owner]
 
     def piece_bytes(self, index: int, rank: int) -> int:
         """Bytes of rank ``rank``'s rows of matrix ``index``."""
@@ -142,8 +145,4 @@ class _Layout:
 
     def total(self, indices: Sequence[int], rank: int) -> int:
         """Bytes of rank ``rank``'s rows of the matrices ``indices``, each piece aligned: one buffer section."""
-        return sum(_aligned(self.piece_bytes(index, rank)) for index in indices)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // PIECE_ALIGN_BYTES) * PIECE_ALIGN_BYTES
+        return sum(align_up(self.piece_bytes(index, rank), PIECE_ALIGN_BYTES) for index in indices)
