@@ -32,7 +32,7 @@ DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
 PLOT_TOOLS = ("matplotlib",)  # examples/train_gpt.py writes PNG plots
 
 CORE_PACKAGE = "swap-core"
-LINT_TARGETS = ("packages", "integration-tests", "examples", "noxfile.py", "conftest.py")
+LINT_TARGETS = ("packages", "integration-tests", "examples", "tools", "noxfile.py", "conftest.py")
 
 nox.needs_version = ">=2024.3.2"  # nox.options.reuse_venv, CommandFailed.return_code
 nox.options.sessions = ["lint", "typecheck", "tests", "integration", "docs"]

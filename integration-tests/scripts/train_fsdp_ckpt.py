@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map_only
 
 import swap_ckpt
 from swap_core import SwapConfig, swap_optimizer
+from swap_core.testing.distributed import initialized_process_group
 
 VOCAB, WIDTH, HEADS, CONTEXT, BATCH_SIZE = 32, 16, 2, 8, 4
 STEPS_BEFORE_SAVE, STEPS_AFTER_SAVE = 5, 5
@@ -115,14 +116,9 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
+    # The teardown every swap test uses: no process group (nor gloo thread) outlives it into interpreter exit.
+    with initialized_process_group("gloo"):
         run_phase(args.phase, args.dir, args.optim)
-        # Tear the groups down together: a rank destroying them while its peer is still in a collective on them
-        # can abort in gloo's teardown ("terminate called without an active exception", about 1 run in 10 here).
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def run_phase(phase: str, directory: Path, optim: str) -> None:

@@ -1,0 +1,101 @@
+"""The private torch APIs swap-core relies on, fenced in one module.
+
+Each function names the private attribute it reads, and the torch versions it was checked
+against. When torch moves one, the function raises :class:`TorchCompatError` saying which, rather
+than failing somewhere deep in a teardown; ``tests/test_torch_compat.py`` exercises each of them.
+
+Checked against torch 2.13.0.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import warnings
+
+import torch.distributed as dist
+
+__all__ = [
+    "MODULES_BINDING_THE_DEFAULT_GROUP",
+    "TorchCompatError",
+    "import_modules_binding_the_default_group",
+    "registered_process_groups",
+    "release_device_mesh_groups",
+]
+
+MODULES_BINDING_THE_DEFAULT_GROUP = (
+    "torch.distributed.nn.functional",  # def broadcast(tensor, src, group=group.WORLD), and nine more
+    "torch.distributed.fsdp.sharded_grad_scaler",  # ShardedGradScaler(process_group=dist.group.WORLD)
+    "torch.distributed.optim.zero_redundancy_optimizer",  # _broadcast_object(group=dist.group.WORLD)
+)
+"""torch modules whose functions take the default group as a default argument, bound at import.
+
+Imported after ``init_process_group`` (``torch.distributed.fsdp`` imports the first one on its
+way), they hold that group for the life of the process. Checked: torch 2.13."""
+
+
+class TorchCompatError(RuntimeError):
+    """A private torch API that swap relies on has moved; the message names it and the versions checked."""
+
+
+def import_modules_binding_the_default_group() -> None:
+    """Import :data:`MODULES_BINDING_THE_DEFAULT_GROUP` now; call it before ``init_process_group``.
+
+    Imported while no group exists, their default arguments hold ``None`` (the default group at call
+    time) instead of a reference that would keep the first group alive past its destruction.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "import_modules_binding_the_default_group() must run before init_process_group(): imported now, "
+            f"{', '.join(MODULES_BINDING_THE_DEFAULT_GROUP)} would hold the default group for good"
+        )
+    with warnings.catch_warnings():
+        # torch.distributed.optim scripts functions with torch.jit, which warns about its own deprecation.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in MODULES_BINDING_THE_DEFAULT_GROUP:
+            importlib.import_module(name)
+
+
+def registered_process_groups() -> list[dist.ProcessGroup]:
+    """Every process group torch.distributed knows of: the default group, ``new_group``s, DeviceMesh groups.
+
+    Reads ``torch.distributed.distributed_c10d._world.pg_map`` (checked: torch 2.13).
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if not isinstance(pg_map, dict):
+        raise TorchCompatError(
+            "torch.distributed.distributed_c10d._world.pg_map is gone (checked against torch 2.13): "
+            "swap_core.torch_compat.registered_process_groups needs updating for this torch"
+        )
+    return list(pg_map)
+
+
+def release_device_mesh_groups() -> int:
+    """Drop the process groups that live DeviceMeshes still hold; return how many meshes held any.
+
+    Every ``DeviceMesh`` keeps its groups in ``_pg_registry`` (strong references, for torch.compile)
+    and ``destroy_process_group`` does not clear it; meshes themselves live on in DTensor's sharding
+    caches long after the model is gone. Call this only after ``destroy_process_group``: the groups are
+    unusable by then, and dropping them lets their C++ objects (and gloo's worker threads) go now.
+    Reads ``DeviceMesh._pg_registry`` (checked: torch 2.13).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    released = 0
+    for candidate in gc.get_objects():
+        # The MRO, not isinstance: DeviceMesh's metaclass would probe every object (deprecated ones warn).
+        if DeviceMesh not in type(candidate).__mro__:
+            continue
+        registry = candidate.__dict__.get("_pg_registry")
+        if registry is None:
+            continue
+        if not isinstance(registry, dict):
+            raise TorchCompatError(
+                f"DeviceMesh._pg_registry is a {type(registry).__name__}, not a dict (checked against torch "
+                "2.13): swap_core.torch_compat.release_device_mesh_groups needs updating for this torch"
+            )
+        if registry:
+            registry.clear()
+            released += 1
+    return released

@@ -1,0 +1,88 @@
+"""The private torch APIs swap-core relies on (``swap_core.torch_compat``) still work on this torch.
+
+Each test fails with the compat function's own message when torch moves what it reads.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from swap_core.testing.distributed import destroy_process_groups
+from swap_core.torch_compat import (
+    MODULES_BINDING_THE_DEFAULT_GROUP,
+    import_modules_binding_the_default_group,
+    registered_process_groups,
+    release_device_mesh_groups,
+)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone, torn down as every distributed test tears down."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        destroy_process_groups()
+
+
+@pytest.mark.parametrize("name", MODULES_BINDING_THE_DEFAULT_GROUP)
+def test_modules_binding_the_default_group_exist(name: str) -> None:
+    importlib.import_module(name)
+
+
+def test_registered_process_groups_lists_the_default_group(one_rank_group: None) -> None:
+    assert dist.group.WORLD is not None
+    assert registered_process_groups() == [dist.group.WORLD]
+
+
+def test_importing_the_group_binding_modules_after_init_is_refused(one_rank_group: None) -> None:
+    with pytest.raises(RuntimeError, match="must run before init_process_group") as raised:
+        import_modules_binding_the_default_group()
+    assert "torch.distributed.nn.functional" in str(raised.value)
+
+
+def test_a_device_mesh_keeps_its_group_until_released() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        world = weakref.ref(mesh.get_group())
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    try:
+        assert world() is not None, "torch's destroy_process_group now frees a mesh's group (torch fixed it?)"
+    finally:
+        released = release_device_mesh_groups()
+    assert released >= 1
+    gc.collect()
+    assert world() is None
+    assert mesh.mesh.tolist() == [0]  # the mesh itself is intact, only its (destroyed) group is gone
+
+
+def test_teardown_of_one_process_with_a_dtensor() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def gather() -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (1,))
+        return distribute_tensor(torch.arange(6.0).view(3, 2), mesh, [Shard(0)]).full_tensor()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = weakref.ref(dist.group.WORLD)
+    try:
+        gathered = gather()
+    finally:
+        destroy_process_groups()
+    assert gathered.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert not dist.is_initialized()
+    assert world() is None, "a process group outlived destroy_process_groups()"
