@@ -168,7 +168,7 @@ def test_state_dict_with_mismatched_shapes_is_refused_with_the_state_untouched()
     before = _snapshot(optimizer)
     with pytest.raises(StateDictMismatchError) as raised:
         optimizer.load_state_dict(source.state_dict())
-    assert "State 'exp_avg' of parameter 1 has shape (91,), but the parameter needs (90,)" in str(raised.value)
+    assert "parameter 1 has 'exp_avg' of shape (91,), but the parameter needs (90,)" in str(raised.value)
     assert_state_dicts_equal(before, optimizer.state_dict(), "state after a refused load")
     # Still exact afterwards.
     for step in range(2, 4):

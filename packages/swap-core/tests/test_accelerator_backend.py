@@ -284,17 +284,26 @@ def test_release_and_restore_storage(fake_backend: AcceleratorBackend) -> None:
 @pytest.mark.parametrize(
     ("make_view", "fragment"),
     [
-        (lambda base: base.t(), "stride (1, 3)"),
+        (lambda base: base[:, ::2], "stride (3, 2)"),
         (lambda base: base[1:], "offset 3"),
     ],
-    ids=["non-contiguous", "offset"],
+    ids=["not-dense", "offset"],
 )
 def test_restore_storage_needs_a_whole_storage_tensor(
     fake_backend: AcceleratorBackend, make_view: Callable[[torch.Tensor], torch.Tensor], fragment: str
 ) -> None:
     view = make_view(torch.zeros(2, 3))
-    with pytest.raises(ValueError, match=r"contiguous tensor at storage offset 0, .*" + re.escape(fragment)):
+    with pytest.raises(ValueError, match=r"dense tensor at storage offset 0, .*" + re.escape(fragment)):
         fake_backend.restore_storage(view)
+
+
+def test_restore_storage_regrows_a_dense_transposed_tensor(fake_backend: AcceleratorBackend) -> None:
+    """A transposed (channels-last, ...) state densely fills its storage: it can be released and regrown."""
+    view = torch.zeros(2, 3).t()
+    fake_backend.release_storage(view)
+    assert view.untyped_storage().nbytes() == 0
+    fake_backend.restore_storage(view)
+    assert view.untyped_storage().nbytes() == 6 * view.element_size()
 
 
 def test_owns_and_adopt_check_the_device(fake_backend: AcceleratorBackend) -> None:

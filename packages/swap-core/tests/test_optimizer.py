@@ -230,7 +230,7 @@ def test_state_dict_and_load_never_touch_device_memory() -> None:
     [
         (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "has 2 parameter groups"),
         (lambda sd: sd["param_groups"][0]["params"].pop(), "has 4 parameters, the optimizer's has 5"),
-        (lambda sd: sd["state"][0].__setitem__("square_avg", torch.zeros(3, 3)), "has shape \\(3, 3\\)"),
+        (lambda sd: sd["state"][0].__setitem__("square_avg", torch.zeros(3, 3)), "'square_avg' of shape \\(3, 3\\)"),
         (lambda sd: sd.pop("state"), "Not an optimizer state dict"),
         (lambda sd: sd["state"].__setitem__(99, {}), "parameter id 99"),
     ],
@@ -291,7 +291,7 @@ def test_state_dict_exports_the_host_mirrors_without_copying() -> None:
     assert exported.data_ptr() == opt.state[params[0]]["square_avg"].data_ptr()
 
 
-def test_existing_view_states_are_swapped_and_non_contiguous_ones_stay_resident() -> None:
+def test_existing_view_and_transposed_states_are_swapped_in_their_layout_and_sparse_views_stay_resident() -> None:
     plain_params, swapped_params = make_params(), make_params()
     plain = torch.optim.RMSprop(plain_params, lr=1e-2, momentum=0.5)
     inner = torch.optim.RMSprop(swapped_params, lr=1e-2, momentum=0.5)
@@ -302,13 +302,20 @@ def test_existing_view_states_are_swapped_and_non_contiguous_ones_stay_resident(
     shared = torch.zeros(2, *swapped_params[0].shape)
     shared[1].copy_(inner.state[swapped_params[0]]["square_avg"])
     inner.state[swapped_params[0]]["square_avg"] = shared[1]
-    # A non-contiguous state keeps its layout on the device.
+    # A dense non-contiguous (transposed) state is swapped in its own memory order.
     transposed = inner.state[swapped_params[2]]["square_avg"].t().contiguous().t()
     inner.state[swapped_params[2]]["square_avg"] = transposed
+    # A view that skips elements cannot be moved as one block: it stays resident, as it is.
+    every_other = torch.zeros(*swapped_params[4].shape[:-1], 2 * swapped_params[4].shape[-1])[..., ::2]
+    every_other.copy_(inner.state[swapped_params[4]]["square_avg"])
+    inner.state[swapped_params[4]]["square_avg"] = every_other
     backend = SimBackend()
     opt = swap_optimizer(inner, SwapConfig(backend=backend, swap_times=2, min_numel=64))
     assert backend.memory_kind(opt.state[swapped_params[0]]["square_avg"]) is MemoryKind.HOST
-    assert opt.state[swapped_params[2]]["square_avg"] is transposed
+    swapped_transposed = opt.state[swapped_params[2]]["square_avg"]
+    assert backend.memory_kind(swapped_transposed) is MemoryKind.HOST
+    assert swapped_transposed.stride() == transposed.stride() != swapped_params[2].stride()
+    assert opt.state[swapped_params[4]]["square_avg"] is every_other
     for step in range(1, 4):
         set_grads(plain_params, step)
         set_grads(swapped_params, step)
@@ -472,7 +479,9 @@ def test_adapter_checkpoint_form_is_what_state_dict_and_load_state_dict_exchange
     opt.load_state_dict(through_torch_save(saved))
     assert seen == [True, True]  # user hooks see the checkpoint form
     assert all(set(opt.state[param]) == {"step", "square_avg"} for param in params)
-    untagged = opt.optimizer.state_dict()
+    # The wrapped optimizer's own state_dict() is the same checkpoint (the two share their hooks).
+    assert all(entry["tag"] == 1 for entry in opt.optimizer.state_dict()["state"].values())
+    untagged = {**saved, "state": {i: {k: v for k, v in e.items() if k != "tag"} for i, e in saved["state"].items()}}
     with pytest.raises(ValueError, match="lacks its tag"):
         opt.load_state_dict(untagged)
     set_grads(params, 1)
@@ -492,3 +501,37 @@ def test_step_keeps_no_reference_to_the_gradients() -> None:
     assert len(grads) == len(params)
     opt.zero_grad(set_to_none=True)
     assert all(grad() is None for grad in grads)
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (
+            iter([torch.nn.Parameter(torch.zeros(2))]),
+            r"got a list_iterator \(parameters\?\): build the optimizer first",
+        ),
+        (torch.nn.Linear(2, 2).parameters(), r"got a generator \(parameters\?\)"),
+        (
+            torch.optim.AdamW,
+            r"got the class AdamW: build it first, swap_optimizer\(AdamW\(model\.parameters\(\), \.\.\.\)\)",
+        ),
+        (object(), r"expects a torch\.optim\.Optimizer instance, got a object$"),
+    ],
+    ids=["iterator", "parameters", "class", "object"],
+)
+def test_swap_optimizer_of_something_else_than_an_optimizer_says_what_it_expects(value: Any, words: str) -> None:
+    with pytest.raises(TypeError, match=words):
+        swap_optimizer(value, backend="sim")
+
+
+def test_the_wrapped_optimizers_own_state_dict_is_the_synchronized_checkpoint() -> None:
+    """Hooks are shared: the plain handle's state_dict() waits for the offloads and exports like the wrapper's."""
+    params, reference_params = make_params(), make_params()
+    reference = torch.optim.RMSprop(reference_params, lr=1e-2, momentum=0.5)
+    opt = wrapped(params, SimBackend(mode="lazy"))
+    for step in range(2):
+        set_grads(params, step)
+        set_grads(reference_params, step)
+        opt.step()
+        reference.step()
+    assert_state_dicts_equal(reference.state_dict(), opt.optimizer.state_dict(), "the wrapped optimizer's state_dict")

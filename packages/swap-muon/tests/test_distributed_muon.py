@@ -189,6 +189,41 @@ def _row_exchange_body(rank: int, world_size: int) -> None:
         gather_rows_to_owners([blocks[0], fulls[1], blocks[2]], shapes, owners, group)
 
 
+def _edited_params_body(rank: int, world_size: int) -> None:
+    """Param groups edited to another order are refused on every rank, before anything changes; new parameter
+    objects of the same shapes (reset_optimizer_parameters) keep the owner plan and stay exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    reference_params = [torch.nn.Parameter(weight) for weight in _full(0)]
+    reference = torch.optim.Muon(reference_params, **OPTIONS)
+    sharded = [torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)])) for weight in _full(0)]
+    opt = swap_optimizer(torch.optim.Muon(sharded, **OPTIONS), SwapConfig(backend="sim", swap_times=2, min_numel=16))
+
+    def step(seed: int) -> None:
+        for param, reference_param, grad in zip(sharded, reference_params, _full(seed), strict=True):
+            reference_param.grad = grad
+            param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        reference.step()
+        opt.step()
+
+    step(300)
+    opt.param_groups[0]["params"].reverse()
+    before = [param.to_local().clone() for param in sharded]  # type: ignore[attr-defined]
+    with pytest.raises(UnsupportedOptimizerError, match="Distributed Muon assigned owner ranks to its 5 parameters"):
+        opt.step()
+    for index, (saved, param) in enumerate(zip(before, sharded, strict=True)):
+        assert_bitwise_equal(saved, param.to_local(), f"rank {rank}: parameter {index} after the refused step")  # type: ignore[attr-defined]
+    opt.param_groups[0]["params"].reverse()
+    replacements = [torch.nn.Parameter(param.detach().clone()) for param in sharded]
+    opt.reset_optimizer_parameters(dict(zip(replacements, sharded, strict=True)))
+    sharded[:] = replacements
+    step(301)
+    for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
+        assert_bitwise_equal(reference_param, param.full_tensor(), f"rank {rank}: parameter {index} after the rebind")  # type: ignore[attr-defined]
+
+
 def _two_rank_checks(rank: int, world_size: int) -> None:
     """One process group for every 2-rank check (starting ranks costs more than the checks)."""
     _row_exchange_body(rank, world_size)
@@ -197,6 +232,7 @@ def _two_rank_checks(rank: int, world_size: int) -> None:
     _mismatch_body(rank, world_size)
     _unsupported_placement_body(rank, world_size)
     _state_dict_loads_body(rank, world_size)
+    _edited_params_body(rank, world_size)
 
 
 def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:

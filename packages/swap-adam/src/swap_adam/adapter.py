@@ -37,10 +37,11 @@ class AdamAdapter(StateSwapAdapter):
     """
 
     swappable_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    reproduces = (torch.optim.Adam, torch.optim.AdamW)
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        check_optimizer(optimizer)
         super().__init__(optimizer)
+        check_optimizer(optimizer)
         self._foreach_choice: dict[int, tuple[tuple[object, ...], bool | None]] = {}
 
     def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:

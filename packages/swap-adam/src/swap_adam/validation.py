@@ -9,8 +9,7 @@ state holds only the keys that step knows. Everything here runs at wrap time
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +21,6 @@ __all__ = [
     "check_group",
     "check_optimizer",
     "check_state_keys",
-    "check_step_implementation",
 ]
 
 ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
@@ -31,30 +29,16 @@ ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 _UNSUPPORTED_OPTIONS = ("differentiable",)
 """Group options swapping cannot honour: autograd through optimizer state cannot survive host round trips."""
 
-_FAMILY_METHODS = ("step", "_init_group")
-"""Methods whose behaviour the adapter reproduces; a subclass overriding one would be silently bypassed."""
-
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Everything that must hold before ``optimizer`` is wrapped; raises without modifying it."""
-    check_step_implementation(type(optimizer))
+    """Everything that must hold before ``optimizer`` is wrapped; raises without modifying it.
+
+    (That its class runs torch's own ``step`` and ``_init_group`` is checked by swap-core, from
+    :attr:`AdamAdapter.reproduces <swap_core.StateSwapAdapter.reproduces>`.)
+    """
     for index, group in enumerate(optimizer.param_groups):
         check_group(group, index, type(optimizer))
     check_state_keys(optimizer)
-
-
-def check_step_implementation(optimizer_cls: type[torch.optim.Optimizer]) -> None:
-    """The class must use torch's own Adam ``step`` and ``_init_group``, which the adapter reproduces."""
-    for name in _FAMILY_METHODS:
-        owner = _defining_class(optimizer_cls, name)
-        if owner is None or _unwrapped(owner.__dict__[name]) in _torch_implementations(name):
-            continue
-        raise UnsupportedOptimizerError(
-            f"{_qualname(optimizer_cls)} overrides {name} (in {_qualname(owner)}), which swap-adam's AdamAdapter "
-            f"would bypass: swapping runs torch.optim.adam.adam on each batch instead of calling {name}. Register an "
-            f"adapter that implements this optimizer's update: "
-            f"swap_core.register_adapter({optimizer_cls.__name__}, factory, name=...)"
-        )
 
 
 def check_group(group: Mapping[str, Any], index: int | None, optimizer_cls: type[torch.optim.Optimizer]) -> None:
@@ -79,22 +63,6 @@ def check_state_keys(optimizer: torch.optim.Optimizer) -> None:
             f"(Adam's are {sorted(ADAM_STATE_KEYS)}); swap-adam's AdamAdapter would ignore them. Register an "
             f"adapter that knows them: swap_core.register_adapter({optimizer_cls.__name__}, factory, name=...)"
         )
-
-
-def _defining_class(cls: type, name: str) -> type | None:
-    return next((klass for klass in cls.__mro__ if name in klass.__dict__), None)
-
-
-def _torch_implementations(name: str) -> set[Callable[..., Any]]:
-    """torch's own functions for ``name``; AdamW is listed too for torch releases where it is not an Adam."""
-    families = (torch.optim.Adam, torch.optim.AdamW)
-    return {_unwrapped(owner.__dict__[name]) for owner in (_defining_class(cls, name) for cls in families) if owner}
-
-
-def _unwrapped(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Past torch's decorators (``_use_grad_for_differentiable``, profiling hooks), to the defining function."""
-    unwrapped: Callable[..., Any] = inspect.unwrap(function)
-    return unwrapped
 
 
 def _qualname(cls: type) -> str:

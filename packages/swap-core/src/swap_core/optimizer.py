@@ -10,26 +10,33 @@ is updated is the adapter's.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import itertools
 import operator
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn, cast
 
 import torch
 
 from .adapters.base import AdapterFactory, StateInit, StateSwapAdapter, UpdateBatch
+from .adapters.overrides import check_instance_step
 from .backend_selection import select_backend
 from .backends.protocol import DeviceBackend
 from .config import SwapConfig
+from .errors import SwapStateError, UnsupportedOptimizerError
 from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.pipeline import PipelineScheduler
 from .runtime.plan import PlannedBatch, SwapPlan, build_plan
-from .runtime.slots import SwapSlot
+from .runtime.slots import SwapSlot, layout_stride
 from .runtime.store import StateSource, StateStore
+from .runtime.tracked_state import TrackedState
 from .state_dict_loading import load_swapped_state
 from .stats import SwapStats
+from .torch_compat import note_step_for_lr_schedulers
 from .trace import StepTrace
 
 __all__ = ["SwapOptimizer"]
@@ -38,15 +45,45 @@ _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+"""torch.optim.Optimizer's hook registries, shared between the wrapper and the wrapped optimizer."""
+
+_WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[SwapOptimizer]] = weakref.WeakKeyDictionary()
+"""The live wrapper of each wrapped optimizer: a second wrapper would keep a second copy of its state."""
+
+Layout = tuple[list[int], list[int]]
+"""Identity of ``param_groups``: the ids of the parameters in order, and the size of each group."""
+
+_MirrorCheck = tuple[int, list[dict[str, Any]], list[str], list[torch.Tensor | None]]
+"""``(store version, state entry, key and host mirror of each swapped state)``; dropped with its store."""
+
 
 class SwapOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that its states stream through the device during :meth:`step`.
 
-    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
-    objects, so LR schedulers, gradient clipping and hooks see one optimizer.
-    Between steps every swapped state in ``state`` is a host tensor; call
-    :meth:`synchronize` before reading it directly (``state_dict()`` does).
+    ``param_groups``, ``state``, ``defaults`` and the hook registries are the wrapped
+    optimizer's own objects, so LR schedulers, gradient clipping and hooks see one
+    optimizer, whichever handle they were given. Between steps every swapped state
+    in ``state`` is a host tensor; call :meth:`synchronize` before reading it
+    directly (``state_dict()`` does).
+
+    What a torch user does to the optimizer is followed, as torch follows it, at the
+    next step (or ``state_dict()``, ``initialize_state()``...): entries of ``state``
+    reset or replaced (``del opt.state[p]``, ``opt.state[p] = {}``, a new tensor for
+    a swapped key), param groups edited by hand or through the wrapped optimizer
+    (``add_param_group``, ``load_state_dict``). A state that the step could not use
+    (a missing key, a wrong shape) is refused before any parameter changes. See
+    docs/behaviour.md for the list.
     """
+
+    optimizer: torch.optim.Optimizer
 
     def __init__(
         self,
@@ -64,19 +101,23 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise TypeError(f"config must be a SwapConfig, got {type(config).__name__}")
         if adapter_factory is None:
             raise TypeError("SwapOptimizer needs an adapter_factory; use swap_optimizer() to find one automatically")
-        self._init_hooks()
+        # Everything that can refuse runs before anything (the wrapped optimizer included) changes.
+        _check_not_wrapped(optimizer)
+        check_instance_step(optimizer)
+        _check_distinct_params(optimizer.param_groups)
         self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
         self.config = config
+        self._adapter_factory = adapter_factory
         self.adapter: StateSwapAdapter = adapter_factory(optimizer)
+        self.backend: DeviceBackend | None = select_backend(config.backend, self._ordered_params())
+        self._swap_keys()  # refuses unknown state_keys
+        if self.backend is not None:  # unswapped (CPU parameters), the wrapped optimizer's step takes any state
+            self._check_states(self._ordered_params_with_groups(), UnsupportedOptimizerError)
         self.stats = SwapStats()
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
         # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them.
         self._step_supports_amp_scaling = getattr(optimizer, "_step_supports_amp_scaling", False)
-        self.backend: DeviceBackend | None = select_backend(config.backend, self._ordered_params())
         self._plan: SwapPlan | None = None
         self._plan_key: tuple[int, int] | None = None
         self._params_version = 0
@@ -85,31 +126,88 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._plan_params = 0
         self._every_param_ready = False
         self._step_grads: list[torch.Tensor | None] = []
-        swap_keys = self._swap_keys()
-        # First post-hook: user hooks (registered later) see the checkpoint form of the state dict.
-        self.register_state_dict_post_hook(_export_state_dict)
-        if self.backend is None:
-            self._scheduler: PipelineScheduler | None = None
-            self._store: StateStore | None = None
-            return
-        self._scheduler = PipelineScheduler(self.backend, duplex=config.duplex)
-        self._store = self._new_store(swap_keys)
-        self._adopt_params()
-        self._offload_existing_states()
+        self._share_hooks()
+        # Never a checkpoint of stale host mirrors, whichever handle's state_dict() is called.
+        self.register_state_dict_pre_hook(_synchronized(self), prepend=True)
+        # First post-hook: user hooks see the checkpoint form of the state dict.
+        self.register_state_dict_post_hook(_exported(self.adapter), prepend=True)
+        self._tracked = TrackedState()
+        self._seen_state_version = -1
+        self._layout: Layout = ([], [])
+        self._mirror_check: _MirrorCheck | None = None
+        self._scheduler: PipelineScheduler | None = None
+        self._store: StateStore | None = None
+        if self.backend is not None:
+            self._scheduler = PipelineScheduler(self.backend, duplex=config.duplex)
+            self._adopt_params()
+            self._adopt_state()
+            self._layout = _layout(self.param_groups, self._ordered_params())
+        _WRAPPERS[optimizer] = weakref.ref(self)
 
-    def _init_hooks(self) -> None:
-        # What torch.optim.Optimizer.__init__ sets up, without re-adding the wrapped optimizer's groups.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+    def _share_hooks(self) -> None:
+        # What torch.optim.Optimizer.__init__ sets up, without re-adding the wrapped optimizer's groups: its
+        # own registries, so hooks registered on the plain optimizer (before wrapping, too) run once per step.
+        for name in _HOOK_DICTS:
+            hooks = self.optimizer.__dict__.get(name)
+            if hooks is None:
+                hooks = OrderedDict()
+                setattr(self.optimizer, name, hooks)
+            for handle in [handle for handle, hook in hooks.items() if getattr(hook, "_swap_core_hook", False)]:
+                del hooks[handle]  # an earlier (dead) wrapper's
+            setattr(self, name, hooks)
         self._patch_step_function()
+
+    # -- the wrapped optimizer's own objects -----------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups`` (the same list object)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's ``state`` (the same mapping object)."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``defaults``."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
 
     def __repr__(self) -> str:
         backend = self.backend.name if self.backend is not None else "none (CPU parameters)"
         return f"SwapOptimizer({self.optimizer!r}, backend={backend}, config={self.config!r})"
+
+    # -- copies ---------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> SwapOptimizer:
+        """An independent swapped optimizer over a deep copy of the wrapped one (as ``deepcopy`` of torch's).
+
+        The copy's states are the current values, in host memory of its own; parameters are copied
+        through ``memo`` as torch copies them (deep-copy the model and the optimizer together to keep
+        them paired). The backend and the config are shared, hooks are not (torch's deepcopy drops them).
+        """
+        self.synchronize()
+        twin = SwapOptimizer(copy.deepcopy(self.optimizer, memo), self.config, self._adapter_factory)
+        memo[id(self)] = twin
+        return twin
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(
+            "A SwapOptimizer cannot be pickled or saved with torch.save(optimizer): it holds device streams and "
+            "pinned host memory. Save optimizer.state_dict() instead, and load it into a newly wrapped optimizer "
+            "(copy.deepcopy(optimizer) gives an independent working copy)"
+        )
 
     # -- step -----------------------------------------------------------------
     @torch.no_grad()
@@ -127,16 +225,22 @@ class SwapOptimizer(torch.optim.Optimizer):
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
             try:
-                with_grad = self._collect_grads()
+                ordered = self._ordered_params()
+                self._follow_edits(ordered)
+                with_grad = self._collect_grads(ordered)
                 if not self._states_complete():
                     self._create_missing_states(self._params_with_grad())
                 plan = self._current_plan()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
                 self._every_param_ready = self._all_states_exist and with_grad == self._plan_params
-                self._scheduler.run(plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace)
+                if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
+                    self._scheduler.run(
+                        plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace
+                    )
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
             self.trace = trace
+            note_step_for_lr_schedulers(self.optimizer)
         stats.resident_state_device_bytes = self._resident_bytes
         stats.host_state_bytes = self._store.host_bytes if self._store is not None else 0
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
@@ -187,7 +291,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             for state, slot in zip(batch.slot_states, batch.slots, strict=True):
                 state[slot.key] = slot.host_value
 
-    def _collect_grads(self) -> int:
+    def _collect_grads(self, ordered: list[torch.Tensor]) -> int:
         """Read every parameter's gradient once, check it is dense and declare it to the backend.
 
         The gradients are kept in parameter order (``_step_grads``, dropped when the step ends) for the
@@ -195,7 +299,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         many parameters have a gradient.
         """
         assert self.backend is not None
-        grads: list[torch.Tensor | None] = list(map(_GRAD, self._ordered_params()))
+        grads: list[torch.Tensor | None] = list(map(_GRAD, ordered))
         self._step_grads = grads
         present = [grad for grad in grads if grad is not None]
         if any(map(_IS_SPARSE, present)):
@@ -246,6 +350,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         key = (self._store.version, self._params_version)
         if self._plan is None or self._plan_key != key:
             params = self._ordered_params_with_groups()
+            # Before any batch updates anything: a state the update cannot use fails now, not part-way.
+            self._check_states(params, SwapStateError)
             costs = self.adapter.partition_costs([param for _, param in params])
             self._plan = build_plan(
                 self._store,
@@ -280,6 +386,89 @@ class SwapOptimizer(torch.optim.Optimizer):
         current = self._plan is not None and self._plan_key == (self._store.version, self._params_version)
         return current and self._all_states_exist
 
+    # -- following what the user did to state and param_groups -------------------
+    def _follow_edits(self, ordered: list[torch.Tensor]) -> None:
+        """Bring the swap plan in line with what was done to ``param_groups`` and ``state`` since the last look.
+
+        Cheap when nothing changed, as in almost every step: two identity checks, one integer, and one
+        C-level pass over the parameter ids and over the swapped entries of ``state``.
+        """
+        assert self._store is not None and self.backend is not None
+        layout = _layout(self.param_groups, ordered)
+        layout_changed = layout != self._layout
+        if layout_changed:
+            _check_distinct_params(self.param_groups)
+            select_backend(self.backend, ordered)
+            self._params_changed()
+            self._layout = layout
+        if self.optimizer.state is not self._tracked:
+            self._adopt_state()  # the wrapped optimizer's load_state_dict, or `state` assigned
+        elif self._tracked.version != self._seen_state_version or not self._mirrors_in_place():
+            self._resync_states(ordered)
+        elif layout_changed:
+            self._store.reorder(ordered)
+
+    def _mirrors_in_place(self) -> bool:
+        """Whether every swapped state's entry in ``state`` still is its host mirror."""
+        store = self._store
+        assert store is not None
+        check = self._mirror_check
+        if check is None or check[0] != store.version:
+            slots = [slot for param_slots in store.slots.values() for slot in param_slots.values()]
+            entries = [self.state.get(slot.param, _NO_ENTRY) for slot in slots]
+            check = (store.version, entries, [slot.key for slot in slots], [slot.host_value for slot in slots])
+            self._mirror_check = check
+        _, entries, keys, values = check
+        return all(map(operator.is_, map(dict.get, entries, keys), values))
+
+    def _adopt_state(self) -> None:
+        """Make the wrapped optimizer's current ``state`` the swapped one: tracked, swapped tensors in host memory."""
+        state = self.optimizer.state
+        tracked = state if isinstance(state, TrackedState) else TrackedState(state)
+        self.optimizer.state = tracked
+        self._tracked = tracked
+        self._seen_state_version = tracked.version
+        self._replace_store(self._new_store(self._swap_keys()))
+        self._offload_existing_states(self._ordered_params())
+
+    def _replace_store(self, store: StateStore) -> None:
+        """A new store: nothing may keep the old one's host memory (or its states' device memory) alive."""
+        self._store = store
+        self._mirror_check = None
+        self._plan = None
+
+    def _resync_states(self, ordered: list[torch.Tensor]) -> None:
+        """Entries of ``state`` reset or replaced by hand: their host mirrors give way to what is there now.
+
+        A parameter whose entry is gone or empty starts afresh at its next step, as torch's does; a
+        tensor put in place of a host mirror is taken over (copied into host memory).
+        """
+        assert self._store is not None
+        stale = [
+            param
+            for param, slots in self._store.slots.items()
+            if any(self.state.get(param, _NO_ENTRY).get(key) is not slot.host_value for key, slot in slots.items())
+        ]
+        self._store.remove(stale)
+        if not self._offload_existing_states(stale, order=ordered):
+            self._store.reorder(ordered)  # nothing was added (which re-packs): re-pack without the removed slots
+        self._seen_state_version = self._tracked.version
+        self._plan = None  # state dicts are bound to the batches
+
+    def _check_states(self, params: Sequence[tuple[int, torch.Tensor]], error: Callable[[str], Exception]) -> None:
+        """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use."""
+        for index, (group_index, param) in enumerate(params):
+            state = self.state.get(param)
+            if not state:
+                continue
+            problem = self.adapter.state_mismatch(param, self.param_groups[group_index], state)
+            if problem is not None:
+                raise error(
+                    f"The state of parameter {index} (param group {group_index}, shape {tuple(param.shape)}) "
+                    f"{problem}: {type(self.optimizer).__name__}'s update cannot use it, and nothing was changed. "
+                    "Load a complete checkpoint, or reset the entry (del optimizer.state[param]) to start it afresh"
+                )
+
     # -- synchronization and state dicts -------------------------------------
     def synchronize(self) -> None:
         """Block until every offload has finished, so host mirrors in ``state`` are current."""
@@ -312,6 +501,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 "unswapped and creates its states on its first step"
             )
         self.synchronize()
+        self._follow_edits(self._ordered_params())
         self._create_missing_states(
             (group_index, param) for group_index, param in self._ordered_params_with_groups() if param.requires_grad
         )
@@ -332,17 +522,19 @@ class SwapOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, dict(state_dict))
             if result is not None:
                 state_dict = result
+        ordered = self._ordered_params()
+        self._follow_edits(ordered)
         state_dict = self.adapter.import_state_dict(state_dict)
         store = self._new_store(self._swap_keys())
-        groups, state = load_swapped_state(self, store, state_dict, self._ordered_params())
-        self._store = store
+        groups, state = load_swapped_state(self, store, state_dict, ordered)
+        self._replace_store(store)
         # Finish as torch's load_state_dict does: the wrapped optimizer's __setstate__ fills option
         # defaults missing from older checkpoints (and AdamW forces decoupled weight decay).
         self.optimizer.__setstate__({"state": state, "param_groups": groups})
-        self.state = self.optimizer.state
-        self.param_groups = self.optimizer.param_groups
+        self._tracked = state
+        self._seen_state_version = state.version
+        self._layout = _layout(self.param_groups, ordered)
         store.attach(self.state)
-        self._plan = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -351,10 +543,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Add a group to the wrapped optimizer; its states are created and swapped on its first step."""
         if not hasattr(self, "optimizer"):  # torch's Optimizer machinery may call this before __init__ ends
             raise RuntimeError("SwapOptimizer is not initialized")
-        if self.backend is not None:
-            select_backend(self.backend, [*self._ordered_params(), *_group_params(param_group)])
+        param_group["params"] = _group_params(param_group)  # as torch's add_param_group does (a generator once)
+        _check_distinct_params([*self.param_groups, param_group])
+        if self.backend is None:
+            self.optimizer.add_param_group(param_group)
+            return
+        select_backend(self.backend, [*self._ordered_params(), *param_group["params"]])
+        self.synchronize()
         self.optimizer.add_param_group(param_group)
-        self._params_changed()
+        self._follow_edits(self._ordered_params())
 
     def reset_optimizer_parameters(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Re-bind the optimizer after the model's parameter objects changed.
@@ -367,9 +564,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         if new_to_old_param:
             self._rebind(new_to_old_param)
-        self._params_changed()
-        if self._store is not None:
-            self._store.reorder(self._ordered_params())
+        if self._store is None:
+            self.adapter.params_changed(self._ordered_params())
+            return
+        self._layout = ([], [])  # re-plan even when the order looks unchanged
+        self._follow_edits(self._ordered_params())
 
     def _rebind(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
         current = {id(param) for param in self._ordered_params()}
@@ -392,6 +591,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._store.rekey(new_to_old_param)
 
     def _params_changed(self) -> None:
+        self.adapter.params_changed(self._ordered_params())  # may refuse: nothing has changed yet
         self._params_version += 1
         self._plan = None
         if self.backend is not None:
@@ -433,15 +633,21 @@ class SwapOptimizer(torch.optim.Optimizer):
             copy_stream=self._scheduler.d2h,
         )
 
-    def _offload_existing_states(self) -> None:
-        """States created before wrapping (e.g. loaded into the plain optimizer) move to host memory now."""
+    def _offload_existing_states(
+        self, params: Iterable[torch.Tensor], order: Sequence[torch.Tensor] | None = None
+    ) -> int:
+        """Existing state tensors of ``params`` move to host memory now; returns how many.
+
+        They were created or loaded before wrapping, or put in place of a host mirror by hand.
+        """
         assert self._store is not None
         new: list[tuple[SwapSlot, StateSource]] = []
-        for param in self._ordered_params():
-            for key, value in self.state.get(param, {}).items():
+        for param in params:
+            for key, value in self.state.get(param, _NO_ENTRY).items():
                 if isinstance(value, torch.Tensor) and self._store.should_swap(key, value):
                     new.append((_slot_like(value, key, value.dtype, param=param), value))
-        self._store.add(new, self._ordered_params())
+        self._store.add(new, self._ordered_params() if order is None else order)
+        return len(new)
 
 
 def _with_grad(
@@ -459,10 +665,69 @@ def _with_grad(
     return kept_params, kept_grads, kept_states
 
 
-def _export_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+_NO_ENTRY: dict[str, Any] = {}
+"""What a parameter without an entry in ``state`` holds (never written to)."""
+
+
+def _layout(groups: Sequence[Mapping[str, Any]], ordered: Sequence[torch.Tensor]) -> Layout:
+    return list(map(id, ordered)), [len(group["params"]) for group in groups]
+
+
+def _check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    reference = _WRAPPERS.get(optimizer)
+    if reference is not None and reference() is not None:
+        raise UnsupportedOptimizerError(
+            f"This {type(optimizer).__name__} is already wrapped by a SwapOptimizer: step that one. A second wrapper "
+            "would keep a second copy of the state in host memory, and the two would diverge silently"
+        )
+
+
+def _check_distinct_params(groups: Sequence[Mapping[str, Any]]) -> None:
+    """Every parameter once: torch would update a repeated one twice per step (and warns that it will refuse)."""
+    first_seen: dict[int, tuple[int, int]] = {}
+    for group_index, group in enumerate(groups):
+        for position, param in enumerate(_group_params(group)):
+            seen = first_seen.setdefault(id(param), (group_index, position))
+            if seen == (group_index, position):
+                continue
+            where = (
+                f"twice in param group {group_index} (positions {seen[1]} and {position})"
+                if seen[0] == group_index
+                else f"in param groups {seen[0]} and {group_index}"
+            )
+            raise UnsupportedOptimizerError(
+                f"Parameter {tuple(param.shape)} appears {where}: torch would update it twice per step, and a swapped "
+                "optimizer keeps one state per parameter. List each parameter once"
+            )
+
+
+def _tagged(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a hook as swap's own, so that wrapping the same optimizer again replaces it instead of adding one."""
+    hook._swap_core_hook = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _synchronized(wrapper: SwapOptimizer) -> Callable[[torch.optim.Optimizer], None]:
+    """State-dict pre-hook: every offload finished before the host mirrors are read (weakly bound)."""
+    reference = weakref.ref(wrapper)
+
+    def synchronize(optimizer: torch.optim.Optimizer) -> None:
+        live = reference()
+        if live is not None:
+            live.synchronize()
+
+    return _tagged(synchronize)
+
+
+def _exported(adapter: StateSwapAdapter) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
     """State-dict post-hook: the adapter's checkpoint form of the state (see ``export_state_dict``)."""
-    assert isinstance(optimizer, SwapOptimizer)
-    return optimizer.adapter.export_state_dict(state_dict)
+    return _tagged(functools.partial(_export_state_dict, adapter))
+
+
+def _export_state_dict(
+    adapter: StateSwapAdapter, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> dict[str, Any]:
+    return adapter.export_state_dict(state_dict)
 
 
 def _slot_for(param: torch.Tensor, key: str, init: StateInit) -> SwapSlot:
@@ -473,8 +738,14 @@ def _slot_for(param: torch.Tensor, key: str, init: StateInit) -> SwapSlot:
 
 
 def _slot_like(like: torch.Tensor, key: str, dtype: torch.dtype, *, param: torch.Tensor | None = None) -> SwapSlot:
-    """A slot for state ``key`` shaped (and sharded) like ``like``; bytes are always the local shard's."""
-    return SwapSlot(param if param is not None else like, key, local_tensor(like).shape, dtype, shard_layout(like))
+    """A slot for state ``key`` shaped, laid out and sharded like ``like``; bytes are always the local shard's.
+
+    Laid out like ``like`` as torch's ``zeros_like(p, memory_format=torch.preserve_format)`` is: a fused
+    kernel reads a state in memory order, so a channels-last parameter's moments must be channels-last.
+    """
+    local = local_tensor(like)
+    owner = param if param is not None else like
+    return SwapSlot(owner, key, local.shape, dtype, shard_layout(like), layout_stride(local))
 
 
 def _group_params(param_group: Mapping[str, Any]) -> list[torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,20 +10,19 @@ import torch
 from .adapters.base import StateInit
 from .errors import StateDictMismatchError
 from .runtime.dtensor import local_tensor, shard_layout
-from .runtime.slots import SwapSlot
+from .runtime.slots import SwapSlot, layout_stride
 from .runtime.store import StateSource, StateStore
+from .runtime.tracked_state import TrackedState
 
 if TYPE_CHECKING:
     from .optimizer import SwapOptimizer
 
 __all__ = ["load_swapped_state", "saved_param_ids"]
 
-StagedState = defaultdict[torch.Tensor, dict[str, Any]]
-
 
 def load_swapped_state(
     optimizer: SwapOptimizer, store: StateStore, state_dict: Mapping[str, Any], order: Sequence[torch.Tensor]
-) -> tuple[list[dict[str, Any]], StagedState]:
+) -> tuple[list[dict[str, Any]], TrackedState]:
     """New param groups and state for ``optimizer``; swapped states are written into ``store``'s host memory.
 
     Nothing of the live optimizer is modified: the caller commits the result.
@@ -36,7 +34,7 @@ def load_swapped_state(
     groups = optimizer.param_groups
     saved_groups = state_dict["param_groups"]
     id_map = _saved_id_map(groups, saved_groups)
-    staged: StagedState = defaultdict(dict)
+    staged = TrackedState()
     store.attach(staged)
     new: list[tuple[SwapSlot, StateSource]] = []
     for saved_id, saved_state in state_dict["state"].items():
@@ -45,6 +43,14 @@ def load_swapped_state(
                 f"Loaded state dict has state for parameter id {saved_id!r}, which none of its param groups lists"
             )
         param, group, saved_group = id_map[saved_id]
+        # The options the loaded group will have: the checkpoint's, the live group's where it has none.
+        loaded_group = {**group, **saved_group, "params": group["params"]}
+        if saved_state:
+            problem = optimizer.adapter.state_mismatch(param, loaded_group, saved_state)
+            if problem is not None:
+                raise StateDictMismatchError(
+                    f"Loaded state dict: the state of parameter {saved_id!r} {problem}; nothing was loaded"
+                )
         expected = optimizer.adapter.initial_state(param, group)
         entry = staged[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
         for key, value in saved_state.items():
@@ -104,21 +110,18 @@ def _stage_value(
         return {k: _cast_like_torch(param, v, k, group) for k, v in value.items()}
     if not isinstance(value, torch.Tensor):
         return value
-    if isinstance(expected, StateInit) and tuple(value.shape) != expected.shape:
-        raise StateDictMismatchError(
-            f"State {key!r} of parameter {saved_id!r} has shape {tuple(value.shape)}, "
-            f"but the parameter needs {expected.shape}"
-        )
     if key != "step" and param.is_floating_point():
         # A state the adapter holds whole on this rank (not sharded like its DTensor parameter).
         whole = isinstance(expected, StateInit) and not expected.shard_like_param
         template = StateInit(tuple(value.shape), param.dtype, shard_like_param=not whole)
         if store.should_swap(key, template):
             host_value = local_tensor(value).to(dtype=param.dtype)
+            # The loaded tensor's memory order, as torch's load keeps it (a fused kernel reads memory in order).
+            stride = layout_stride(host_value)
             if whole:
-                slot = SwapSlot(param, key, torch.Size(value.shape), param.dtype)
+                slot = SwapSlot(param, key, torch.Size(value.shape), param.dtype, stride=stride)
             else:
-                slot = SwapSlot(param, key, local_tensor(param).shape, param.dtype, shard_layout(param))
+                slot = SwapSlot(param, key, local_tensor(param).shape, param.dtype, shard_layout(param), stride)
             if host_value.shape != slot.shape:
                 raise StateDictMismatchError(
                     f"State {key!r} of parameter {saved_id!r} has a local shard of shape {tuple(host_value.shape)}, "

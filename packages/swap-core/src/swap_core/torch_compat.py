@@ -13,12 +13,14 @@ import gc
 import importlib
 import warnings
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
     "MODULES_BINDING_THE_DEFAULT_GROUP",
     "TorchCompatError",
     "import_modules_binding_the_default_group",
+    "note_step_for_lr_schedulers",
     "registered_process_groups",
     "release_device_mesh_groups",
 ]
@@ -54,6 +56,17 @@ def import_modules_binding_the_default_group() -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in MODULES_BINDING_THE_DEFAULT_GROUP:
             importlib.import_module(name)
+
+
+def note_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Tell an LR scheduler built on ``optimizer`` (before it was wrapped) that it was stepped.
+
+    The scheduler wraps the instance's ``step`` to set ``_opt_called`` and warns at its first
+    ``step()`` when the flag is missing; a swapped step never calls that wrapper. Sets
+    ``optimizer._opt_called`` only where such a wrapper is installed (checked: torch 2.13).
+    """
+    if getattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched", False):
+        optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
 def registered_process_groups() -> list[dist.ProcessGroup]:

@@ -23,6 +23,8 @@ def swap_optimizer(
     """
     if isinstance(optimizer, SwapOptimizer):
         raise ValueError("The optimizer is already a SwapOptimizer; wrap the plain torch optimizer once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(_not_an_optimizer(optimizer))
     if config is None:
         config = SwapConfig()
     elif not isinstance(config, SwapConfig):
@@ -31,3 +33,19 @@ def swap_optimizer(
         config = config.replace(**overrides)
     factory = default_registry.resolve(optimizer)
     return SwapOptimizer(optimizer, config, factory)
+
+
+def _not_an_optimizer(value: object) -> str:
+    """What to say when ``swap_optimizer`` is given something other than an optimizer instance."""
+    if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+        return (
+            f"swap_optimizer() expects an optimizer instance, got the class {value.__name__}: build it first, "
+            f"swap_optimizer({value.__name__}(model.parameters(), ...))"
+        )
+    what = type(value).__name__
+    if isinstance(value, torch.Tensor) or hasattr(value, "__iter__"):
+        return (
+            f"swap_optimizer() expects a torch.optim.Optimizer instance, got a {what} (parameters?): build the "
+            "optimizer first, swap_optimizer(torch.optim.AdamW(model.parameters(), lr=...))"
+        )
+    return f"swap_optimizer() expects a torch.optim.Optimizer instance, got a {what}"

@@ -34,6 +34,7 @@ class MuonAdapter(StateSwapAdapter):
     """Swaps Muon's one state, ``momentum_buffer`` (the size of the parameter)."""
 
     swappable_keys = ("momentum_buffer",)
+    reproduces = (Muon,)
 
     def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
         # Muon creates zeros_like(grad) on a parameter's first step; a gradient has its

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim import Muon
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from swap_core import StateInit, StateSwapAdapter, UpdateBatch
@@ -82,6 +83,7 @@ class DistributedMuonAdapter(StateSwapAdapter):
     """Owner-rank Muon over sharded parameters, bitwise equal to ``torch.optim.Muon`` on full tensors."""
 
     swappable_keys = ("momentum_buffer",)
+    reproduces = (Muon,)
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
@@ -90,10 +92,22 @@ class DistributedMuonAdapter(StateSwapAdapter):
             raise UnsupportedOptimizerError("Distributed Muon got no parameters")
         self.shards = shard_group_of(params)
         self._position = {id(param): index for index, param in enumerate(params)}
+        self._planned = _kinds(params)
         self.plan: OwnerPlan = plan_owners(
-            [tuple(param.shape) for param in params], [param.dtype for param in params], self.shards.size
+            [shape for shape, _ in self._planned], [dtype for _, dtype in self._planned], self.shards.size
         )
         _check_same_plan(self.plan)
+
+    def params_changed(self, params: Sequence[torch.Tensor]) -> None:
+        """New parameter objects of the same shapes and dtypes, in the same order, keep the owner plan."""
+        kinds = _kinds(params)
+        if kinds != self._planned:
+            raise UnsupportedOptimizerError(
+                f"Distributed Muon assigned owner ranks to its {len(self._planned)} parameters when it was wrapped; "
+                f"the param groups now hold {len(kinds)} parameters of other shapes, dtypes or order, and every rank "
+                "would need a new plan. Wrap a new optimizer over the new parameters"
+            )
+        self._position = {id(param): index for index, param in enumerate(params)}
 
     def owner_of(self, param: torch.Tensor) -> int:
         """Shard-group rank that owns ``param``."""
@@ -162,6 +176,10 @@ def _owner_update(full_grad: torch.Tensor, buffer: torch.Tensor, group: dict[str
     buffer.lerp_(full_grad, 1 - group["momentum"])
     update = full_grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
     return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+def _kinds(params: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(param.shape), param.dtype) for param in params]
 
 
 def _local_device(param: torch.Tensor) -> torch.device:

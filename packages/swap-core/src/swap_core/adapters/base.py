@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .overrides import check_no_bypassed_overrides
+
 __all__ = [
     "ADAPTER_API_VERSION",
     "AdapterFactory",
@@ -70,7 +72,18 @@ class StateSwapAdapter(abc.ABC):
     swappable_keys: ClassVar[tuple[str, ...]] = ()
     """State keys this family can swap (e.g. ``("exp_avg", "exp_avg_sq")``)."""
 
+    reproduces: ClassVar[tuple[type[torch.optim.Optimizer], ...]] = ()
+    """torch classes whose update :meth:`update` reproduces with torch's functional kernel. An optimizer
+    whose class overrides one of :attr:`reproduced_methods` of them would be silently bypassed: the
+    constructor refuses it (:func:`~swap_core.adapters.overrides.check_no_bypassed_overrides`). Leave
+    empty for an adapter that runs the optimizer's own ``step``."""
+
+    reproduced_methods: ClassVar[tuple[str, ...]] = ("step", "_init_group")
+    """The methods of :attr:`reproduces` the adapter stands in for."""
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.reproduces:
+            check_no_bypassed_overrides(optimizer, self.reproduces, self.reproduced_methods, type(self).__name__)
         self.optimizer = optimizer
 
     @abc.abstractmethod
@@ -80,6 +93,37 @@ class StateSwapAdapter(abc.ABC):
     @abc.abstractmethod
     def update(self, batch: UpdateBatch) -> None:
         """Update ``batch.params`` in place with the wrapped optimizer's own math."""
+
+    def state_mismatch(self, param: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
+        """Why the non-empty ``state`` of ``param`` is not what this family's update reads, or ``None``.
+
+        The runtime asks before any batch of a step updates anything (after a load, or after the state
+        was edited by hand), so a step never fails part-way on a missing key. The default compares with
+        :meth:`initial_state`: every key it creates must be there and no other, and a state it creates
+        as a :class:`StateInit` must have that shape. An empty state is never asked about (the step
+        creates it afresh, as torch does).
+        """
+        expected = self.initial_state(param, dict(group))
+        missing = [key for key in expected if key not in state]
+        if missing:
+            return f"lacks {_keys(missing)}, which the update reads (it has {_keys(list(state))})"
+        unknown = [key for key in state if key not in expected]
+        if unknown:
+            return f"has {_keys(unknown)}, which this family does not create (its keys are {_keys(list(expected))})"
+        for key, template in expected.items():
+            value = state[key]
+            wrong_shape = isinstance(value, torch.Tensor) and tuple(value.shape) != template.shape
+            if isinstance(template, StateInit) and wrong_shape:
+                return f"has {key!r} of shape {tuple(value.shape)}, but the parameter needs {template.shape}"
+        return None
+
+    def params_changed(self, params: Sequence[torch.Tensor]) -> None:
+        """The optimizer's parameters (or their order) changed; ``params`` is the new order. Raise to refuse.
+
+        Called when param groups were edited by hand, through the wrapped optimizer or
+        ``add_param_group``, and by ``reset_optimizer_parameters``. Default: nothing to do.
+        """
+        return None
 
     def partition_costs(self, params: Sequence[torch.Tensor]) -> Sequence[int] | None:
         """Rank-independent cost per parameter for batching, or ``None`` to balance by swapped bytes.
@@ -108,6 +152,10 @@ class StateSwapAdapter(abc.ABC):
         modify the live state (loading checks everything before committing). Default: unchanged.
         """
         return state_dict
+
+
+def _keys(keys: Sequence[object]) -> str:
+    return ", ".join(repr(key) for key in keys) or "no keys"
 
 
 AdapterFactory = Callable[[torch.optim.Optimizer], StateSwapAdapter]

@@ -22,6 +22,7 @@ class RMSpropAdapter(StateSwapAdapter):
     """Swaps ``square_avg``, ``momentum_buffer`` and ``grad_avg`` of RMSprop."""
 
     swappable_keys = ("square_avg", "momentum_buffer", "grad_avg")
+    reproduces = (torch.optim.RMSprop,)
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)

@@ -19,6 +19,7 @@ from typing import Protocol, cast
 import torch
 
 from swap_core.backends.protocol import Event, Stream
+from swap_core.backends.tensor_layout import spans_whole_storage
 from swap_core.errors import PinnedMemoryWarning
 
 __all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend"]
@@ -156,9 +157,9 @@ class AcceleratorBackend:
 
     def restore_storage(self, tensor: torch.Tensor) -> None:
         """Regrow a released storage; only whole-storage tensors can be regrown to a known size."""
-        if not tensor.is_contiguous() or tensor.storage_offset() != 0:
+        if not spans_whole_storage(tensor):
             raise ValueError(
-                "restore_storage needs a contiguous tensor at storage offset 0, got shape "
+                "restore_storage needs a dense tensor at storage offset 0, got shape "
                 f"{tuple(tensor.shape)}, stride {tensor.stride()}, offset {tensor.storage_offset()}"
             )
         tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())

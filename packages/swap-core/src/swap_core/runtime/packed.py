@@ -52,7 +52,7 @@ class PackedHost:
     def view(self, slot: SwapSlot) -> torch.Tensor:
         """The slot's host mirror: a shaped view into its dtype's buffer."""
         start = self.offsets[slot]
-        return self.buffers[slot.dtype][start : start + slot.numel].view(slot.shape)
+        return slot.shaped(self.buffers[slot.dtype][start : start + slot.numel])
 
     def ranges(self, slots: Iterable[SwapSlot]) -> dict[torch.dtype, tuple[int, int]]:
         """Element range per dtype covering ``slots`` (consecutive in the layout)."""

@@ -123,7 +123,7 @@ def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatc
         ]
         for slot in batch.slots:
             start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
-            batch.device_views.append(regions[slot.dtype][start : start + slot.numel].view(slot.shape))
+            batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))
     arenas.release()
     return arenas
 

@@ -17,10 +17,11 @@ from collections.abc import Iterable
 
 import torch
 
+from ..backends.tensor_layout import is_dense
 from ..errors import SwapStateError
 from .dtensor import ShardLayout
 
-__all__ = ["SlotState", "SwapSlot", "is_swappable", "transition"]
+__all__ = ["SlotState", "SwapSlot", "is_swappable", "layout_stride", "transition"]
 
 
 class SlotState(enum.Enum):
@@ -45,7 +46,20 @@ _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
 class SwapSlot:
     """A swapped state tensor: its host mirror and, while in flight, its device copy."""
 
-    __slots__ = ("device", "dtype", "host", "host_value", "key", "layout", "nbytes", "numel", "param", "shape", "state")
+    __slots__ = (
+        "device",
+        "dtype",
+        "host",
+        "host_value",
+        "key",
+        "layout",
+        "nbytes",
+        "numel",
+        "param",
+        "shape",
+        "state",
+        "stride",
+    )
 
     def __init__(
         self,
@@ -54,10 +68,14 @@ class SwapSlot:
         shape: torch.Size,
         dtype: torch.dtype,
         layout: ShardLayout | None = None,
+        stride: tuple[int, ...] | None = None,
     ) -> None:
         self.param = param
         self.key = key
         self.shape = shape
+        self.stride = stride
+        """Memory order of the state (``None``: contiguous). Fused kernels read memory in order, so a state
+        must keep the layout torch gives it (``zeros_like`` keeps a channels-last or transposed parameter's)."""
         self.dtype = dtype
         self.numel = shape.numel()
         self.nbytes = self.numel * dtype.itemsize
@@ -71,6 +89,12 @@ class SwapSlot:
 
     def __repr__(self) -> str:
         return f"SwapSlot(key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype}, state={self.state.value})"
+
+    def shaped(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (``numel`` elements, e.g. a range of a packed buffer) as this state: its shape and strides."""
+        if self.stride is None:
+            return flat.view(self.shape)
+        return flat.as_strided(self.shape, self.stride)
 
     @property
     def host_mirror(self) -> torch.Tensor:
@@ -93,12 +117,19 @@ def transition(slots: Iterable[SwapSlot], source: SlotState, target: SlotState) 
 def is_swappable(tensor: torch.Tensor, *, min_numel: int) -> bool:
     """Whether an existing state tensor can move to host memory between steps.
 
-    It must be floating point, dense, contiguous (host mirrors and staging views
-    are contiguous, and fused kernels expect the layout they were given) and
-    large enough that moving it pays off. It need not own its storage: its
-    values are copied into swap's own host buffer and the entry in ``state`` is
+    It must be floating point, strided and dense (its elements fill exactly ``numel`` places in some
+    dimension order: contiguous, channels-last, transposed...; host mirrors and staging views keep
+    that order, see :func:`layout_stride`), and large enough that moving it pays off. It need not own
+    its storage: its values are copied into swap's own host buffer and the entry in ``state`` is
     replaced, so a view into a loaded checkpoint's storage swaps too.
     """
     if not tensor.is_floating_point() or tensor.layout is not torch.strided:
         return False
-    return tensor.is_contiguous() and tensor.numel() >= max(min_numel, 1)
+    return is_dense(tensor) and tensor.numel() >= max(min_numel, 1)
+
+
+def layout_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a swapped copy of ``tensor`` keeps: ``None`` when contiguous (or not dense), else its own."""
+    if tensor.is_contiguous() or not is_dense(tensor):
+        return None
+    return tuple(tensor.stride())

@@ -18,7 +18,7 @@ from ..adapters.base import StateInit
 from ..backends.protocol import DeviceBackend, Stream
 from .dtensor import local_tensor, shard_layout, wrap_local
 from .packed import PackedHost
-from .slots import SlotState, SwapSlot, is_swappable, transition
+from .slots import SlotState, SwapSlot, is_swappable, layout_stride, transition
 
 __all__ = ["StateSource", "StateStore"]
 
@@ -79,19 +79,26 @@ class StateStore:
         return True
 
     def resident_value(self, template: StateInit, param: torch.Tensor) -> torch.Tensor:
-        """A resident device tensor for a fresh state that is not swapped (sharded like ``param``)."""
+        """A resident device tensor for a fresh state that is not swapped (sharded and laid out like ``param``)."""
+        local = local_tensor(param)
+        like_param = template.shard_like_param and tuple(template.shape) == tuple(param.shape)
         layout = shard_layout(param) if template.shard_like_param else None
-        shape = local_tensor(param).shape if layout is not None else template.shape
-        tensor = self._backend.empty(shape, template.dtype)
+        shape = local.shape if layout is not None else torch.Size(template.shape)
+        tensor = self._empty(shape, template.dtype, layout_stride(local) if like_param else None)
         tensor.fill_(template.fill)
         return wrap_local(tensor, layout)
 
     def resident_copy(self, value: torch.Tensor) -> torch.Tensor:
-        """A resident device copy of a loaded state that is not swapped."""
+        """A resident device copy of a loaded state that is not swapped, in the loaded tensor's layout."""
         local = local_tensor(value)
-        tensor = self._backend.empty(local.shape, local.dtype)
+        tensor = self._empty(local.shape, local.dtype, layout_stride(local))
         tensor.copy_(local)
         return wrap_local(tensor, shard_layout(value))
+
+    def _empty(self, shape: torch.Size, dtype: torch.dtype, stride: tuple[int, ...] | None) -> torch.Tensor:
+        if stride is None:
+            return self._backend.empty(shape, dtype)
+        return self._backend.empty((shape.numel(),), dtype).as_strided(shape, stride)
 
     # -- creating -------------------------------------------------------------
     def add(self, new: Sequence[tuple[SwapSlot, StateSource]], order: Sequence[torch.Tensor]) -> None:
@@ -106,8 +113,8 @@ class StateStore:
             self._relayout(order, dict((slot, source) for slot, source in new))
         else:
             for slot, source in new:
-                slot.host = self._backend.empty_host(slot.numel, slot.dtype).view(slot.shape)
-                slot.device = self._backend.empty(slot.shape, slot.dtype)
+                slot.host = slot.shaped(self._backend.empty_host(slot.numel, slot.dtype))
+                slot.device = slot.shaped(self._backend.empty((slot.numel,), slot.dtype))
                 self._backend.release_storage(slot.device)
                 self._fill(slot.host, source)
                 self._publish(slot)
@@ -115,13 +122,19 @@ class StateStore:
         transition((slot for slot, _ in new), SlotState.PENDING, SlotState.HOST)
         self.version += 1
 
+    def remove(self, params: Iterable[torch.Tensor]) -> None:
+        """Forget the slots of ``params`` (their entries in ``state`` were reset or replaced); call :meth:`reorder`
+        or :meth:`add` next to re-pack the host buffers."""
+        for param in params:
+            for slot in self.slots.pop(param, {}).values():
+                self._swapped_bytes -= slot.nbytes
+                self._candidate_bytes -= slot.nbytes
+        self.version += 1
+
     def reorder(self, order: Sequence[torch.Tensor]) -> None:
         """Re-pack host buffers so that slots follow ``order`` (after param groups changed)."""
         kept = set(order)
-        for param in [param for param in self.slots if param not in kept]:
-            for slot in self.slots.pop(param).values():
-                self._swapped_bytes -= slot.nbytes
-                self._candidate_bytes -= slot.nbytes
+        self.remove([param for param in self.slots if param not in kept])
         if self._packed:
             self._relayout(order, {})
             self._finish_fills()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from swap_core.backends.protocol import Event, Stream
+from swap_core.backends.tensor_layout import spans_whole_storage
 from swap_core.errors import PinnedMemoryWarning, SimPageableCopyError, SimUseAfterFreeError
 
 from .checks import ComputeCheckMode, ComputeOpChecker
@@ -217,9 +218,9 @@ class SimBackend:
     def restore_storage(self, tensor: torch.Tensor) -> None:
         """Re-allocate a released storage (poisoned, counted, written by the compute stream)."""
         self._tick()
-        if not tensor.is_contiguous() or tensor.storage_offset() != 0:
+        if not spans_whole_storage(tensor):
             raise ValueError(
-                "restore_storage needs a contiguous tensor at storage offset 0, got shape "
+                "restore_storage needs a dense tensor at storage offset 0, got shape "
                 f"{tuple(tensor.shape)}, stride {tensor.stride()}, offset {tensor.storage_offset()}"
             )
         record = self._device_record(tensor, "restore_storage")

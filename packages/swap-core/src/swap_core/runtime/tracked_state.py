@@ -1,0 +1,74 @@
+"""``optimizer.state`` as torch makes it (a ``defaultdict(dict)``), counting the changes a user makes to it.
+
+A torch user resets state by editing the mapping: ``del opt.state[p]``, ``opt.state[p] = {}``,
+``opt.state.clear()``. Torch notices nothing either, it simply finds an empty entry at the next step
+and starts that parameter afresh. A swapped optimizer holds host mirrors behind those entries, so it
+must notice: every such edit bumps :attr:`TrackedState.version`, which the optimizer compares once
+per step (one integer) instead of re-reading every entry.
+
+An entry created by reading a missing key (``opt.state[p]`` on a new parameter, as torch's own
+``_init_group`` does) is not a change: it adds an empty entry, which is what a missing one means.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["TrackedState"]
+
+StateEntries = Mapping[torch.Tensor, dict[str, Any]] | Iterable[tuple[torch.Tensor, dict[str, Any]]]
+
+
+class TrackedState(defaultdict[torch.Tensor, dict[str, Any]]):
+    """A ``defaultdict(dict)`` whose :attr:`version` grows with every insertion, replacement or removal."""
+
+    def __init__(self, entries: StateEntries = ()) -> None:
+        super().__init__(dict, entries)
+        self.version = 0
+
+    def __reduce__(self) -> Any:
+        # defaultdict's reduce passes default_factory to the constructor; this one takes only entries.
+        return (type(self), (list(self.items()),))
+
+    def __missing__(self, key: torch.Tensor) -> dict[str, Any]:
+        value: dict[str, Any] = {}
+        dict.__setitem__(self, key, value)
+        return value
+
+    def __setitem__(self, key: torch.Tensor, value: dict[str, Any]) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: torch.Tensor) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def __ior__(self, other: Any) -> TrackedState:  # type: ignore[misc,override]
+        self.update(other)
+        return self
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def pop(self, key: torch.Tensor, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key: torch.Tensor, default: dict[str, Any] | None = None) -> dict[str, Any]:
+        if key in self:
+            return self[key]
+        self[key] = {} if default is None else default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self.version += 1

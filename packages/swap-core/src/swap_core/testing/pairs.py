@@ -1,0 +1,148 @@
+"""Building blocks of the conformance suite: a case, identical parameter sets, and a reference/swapped pair.
+
+A :class:`Pair` drives the unwrapped optimizer and the swapped one with the same gradients on
+separate, identical parameters; every check compares the two bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..backends.protocol import DeviceBackend
+from ..config import SwapConfig
+from ..optimizer import SwapOptimizer
+from ..wrap import swap_optimizer
+from .compare import assert_bitwise_equal, assert_state_dicts_equal
+
+__all__ = [
+    "DEFAULT_SHAPES",
+    "BackendFactory",
+    "ConformanceCase",
+    "OptimizerFactory",
+    "Pair",
+    "make_groups",
+    "make_pair",
+    "make_params",
+    "set_grads",
+    "swap_config",
+    "through_torch_save",
+]
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+BackendFactory = Callable[..., DeviceBackend]
+
+DEFAULT_SHAPES: tuple[tuple[int, ...], ...] = ((48, 40), (40,), (32, 33), (16,), (24, 50), (3, 5), (64, 20))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConformanceCase:
+    """One optimizer configuration that must behave, swapped, exactly as unwrapped."""
+
+    name: str
+    make_optimizer: OptimizerFactory
+    """Builds the plain optimizer from param groups (dicts with ``"params"`` and ``group_options``)."""
+    shapes: tuple[tuple[int, ...], ...] = DEFAULT_SHAPES
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    """Cycled over the parameters (several dtypes give several packed regions)."""
+    group_options: tuple[Mapping[str, Any], ...] = ({},)
+    """One entry per param group; parameters are split into consecutive groups."""
+    steps: int = 10
+    skip_grad_every: int = 4
+    """Every this many steps the first parameter gets no gradient (0: never)."""
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """``SwapConfig`` overrides (``min_numel`` defaults to 64 so that small states stay resident)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def make_params(case: ConformanceCase, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    params: list[torch.Tensor] = []
+    for index, shape in enumerate(case.shapes):
+        dtype = case.dtypes[index % len(case.dtypes)]
+        values = torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
+        params.append(torch.nn.Parameter(values.to(device)))
+    return params
+
+
+def make_groups(case: ConformanceCase, params: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    count = len(case.group_options)
+    size = -(-len(params) // count)
+    return [
+        {"params": list(params[index * size : (index + 1) * size]), **options}
+        for index, options in enumerate(case.group_options)
+    ]
+
+
+def set_grads(case: ConformanceCase, params: Sequence[torch.Tensor], step: int, seed: int = 0) -> None:
+    """Deterministic gradients for ``step``; the same call gives the same values for any copy of the params."""
+    generator = torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
+    for index, param in enumerate(params):
+        grad = torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.dtype)
+        skip = case.skip_grad_every and index == 0 and step % case.skip_grad_every == case.skip_grad_every - 1
+        param.grad = None if skip else grad.to(param.device)
+
+
+def swap_config(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> SwapConfig:
+    options: dict[str, Any] = {"min_numel": 64, "swap_times": 3}
+    options.update(case.config)
+    options.update(overrides)
+    return SwapConfig(backend=backend, **options)
+
+
+@dataclasses.dataclass
+class Pair:
+    """The unwrapped reference optimizer and the swapped one, on separate identical parameters."""
+
+    case: ConformanceCase
+    reference_params: list[torch.Tensor]
+    reference: torch.optim.Optimizer
+    swapped_params: list[torch.Tensor]
+    swapped: SwapOptimizer
+    steps_taken: int = 0
+
+    def step_both(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.step_reference()
+            self.step_swapped()
+            self.steps_taken += 1
+
+    def step_reference(self) -> None:
+        set_grads(self.case, self.reference_params, self.steps_taken)
+        self.reference.step()
+
+    def step_swapped(self) -> None:
+        set_grads(self.case, self.swapped_params, self.steps_taken)
+        self.swapped.step()
+
+    def assert_params_equal(self, context: str) -> None:
+        for index, (expected, actual) in enumerate(zip(self.reference_params, self.swapped_params, strict=True)):
+            assert_bitwise_equal(expected, actual, f"{context}: parameter {index}")
+
+    def assert_equal(self, context: str) -> None:
+        self.assert_params_equal(context)
+        assert_state_dicts_equal(self.reference.state_dict(), self.swapped.state_dict(), context)
+
+
+def make_pair(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> Pair:
+    reference_params = make_params(case, backend.device)
+    swapped_params = make_params(case, backend.device)
+    reference = case.make_optimizer(make_groups(case, reference_params))
+    plain = case.make_optimizer(make_groups(case, swapped_params))
+    swapped = swap_optimizer(plain, swap_config(case, backend, **overrides))
+    return Pair(case, reference_params, reference, swapped_params, swapped)
+
+
+def through_torch_save(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` after ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint would be."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded
