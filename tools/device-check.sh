@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a real accelerator, as one short script for a lent machine that has torch but
-# no network: every package's tests with --backend BACKEND, then swap-bench on it.
+# no network: every package's tests with --backend BACKEND, exact versus caching pinned bandwidth
+# (tools/pinned_bandwidth.py), then swap-bench on it.
 #
 #   tools/device-check.sh --wheels            # here (with network): build the four wheels into .whl/
 #   tools/device-check.sh [BACKEND] [PYTEST_ARGS...]
@@ -56,6 +57,10 @@ for package in "${packages[@]}"; do
         -p no:cacheprovider "$@" 2>&1 | tee "$out/tests-$package.log" | tail -n 25
     record "${PIPESTATUS[0]}"
 done
+
+echo "== exact-size versus caching pinned buffers: bandwidth"
+timeout "${SWAP_CHECK_PINNED_S:-120}" python3 tools/pinned_bandwidth.py --backend "$backend" 2>&1 | tee "$out/pinned-bandwidth.txt"
+record "${PIPESTATUS[0]}"
 
 echo "== swap-bench --backend $backend"
 # shellcheck disable=SC2086  # SWAP_CHECK_BENCH_ARGS is a list of words

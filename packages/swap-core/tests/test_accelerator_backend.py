@@ -6,6 +6,7 @@ The real-device tests run only with ``--backend cuda|npu`` on a machine that has
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import sys
 import warnings
@@ -179,7 +180,10 @@ def test_pinning_failure_falls_back_to_pageable_and_warns_once(
     monkeypatch.setattr(accelerator, "_empty_pinned", _fail_pinning)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        buffers = [fake_backend.empty_host(6, torch.float32), fake_backend.empty_host(3, torch.bfloat16)]
+        buffers = [
+            fake_backend.empty_host(6, torch.float32, mode="caching"),
+            fake_backend.empty_host(3, torch.bfloat16, mode="caching"),
+        ]
     pinned_warnings = [w for w in caught if issubclass(w.category, PinnedMemoryWarning)]
     assert len(pinned_warnings) == 1
     assert issubclass(pinned_warnings[0].category, UserWarning)
@@ -197,15 +201,15 @@ def test_pinning_failure_falls_back_to_pageable_and_warns_once(
 def test_each_backend_instance_warns_for_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(accelerator, "_empty_pinned", _fail_pinning)
     with pytest.warns(PinnedMemoryWarning):
-        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32)
+        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32, mode="caching")
     with pytest.warns(PinnedMemoryWarning):
-        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32)
+        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32, mode="caching")
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works on this machine")
 def test_cpu_only_torch_falls_back_with_torch_error(fake_backend: AcceleratorBackend) -> None:
     with pytest.warns(PinnedMemoryWarning, match="pin_memory=True requires"):
-        buffer = fake_backend.empty_host(4, torch.float16)
+        buffer = fake_backend.empty_host(4, torch.float16, mode="caching")
     assert buffer.shape == (4,) and buffer.dtype == torch.float16
 
 
@@ -216,7 +220,66 @@ def test_pinned_allocation_is_used_when_it_works(
     monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: sentinel)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert fake_backend.empty_host(5, torch.float32) is sentinel
+        assert fake_backend.empty_host(5, torch.float32, mode="caching") is sentinel
+    assert fake_backend.pinned_bytes(sentinel) == 32  # torch's caching allocator: 20 bytes round up to 32
+
+
+class FakeRegistrar:
+    """Stands in for cudaHostRegister / cudaHostUnregister; records the page-aligned ranges."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def register(self, address: int, nbytes: int) -> None:
+        if self.refuse:
+            raise RuntimeError("cudaHostRegister returned cudaErrorHostMemoryAlreadyRegistered (test)")
+        assert address % 4096 == 0, "registered memory must be page-aligned"
+        self.registered[address] = nbytes
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
+
+
+def test_exact_host_buffers_pin_their_size_to_the_page_until_the_last_view_is_gone() -> None:
+    registrar = FakeRegistrar()
+    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    numel = 10 * 2**20 // 4 + 1  # 10 MiB + 4 bytes of float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buffer = backend.empty_host(numel, torch.float32)
+    assert buffer.shape == (numel,) and buffer.dtype == torch.float32
+    assert list(registrar.registered.values()) == [10 * 2**20 + 4096]
+    assert backend.pinned_bytes(buffer) == 10 * 2**20 + 4096  # the caching allocator would pin 16 MiB
+    view = buffer[5:9].view(2, 2)
+    view.fill_(3.0)
+    del buffer
+    gc.collect()
+    assert registrar.unregistered == [], "unregistered while a view still used the memory"
+    assert view.sum().item() == 12.0
+    del view
+    gc.collect()
+    assert registrar.unregistered == list(registrar.registered)
+
+
+@pytest.mark.parametrize(
+    ("device_type", "registrar", "reason"),
+    [("cuda", FakeRegistrar(refuse=True), "registering it with the driver failed"), ("xpu", None, "xpu has no public")],
+    ids=["registration-refused", "no-registration-api"],
+)
+def test_exact_host_memory_falls_back_to_the_caching_allocator_and_warns_once(
+    device_type: str, registrar: FakeRegistrar | None, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    module = FakeDeviceModule()
+    backend = AcceleratorBackend._from_module(device_type, module, registrar=registrar)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buffers = [backend.empty_host(6, torch.float32), backend.empty_host(1000, torch.float32)]
+    messages = [str(w.message) for w in caught if issubclass(w.category, PinnedMemoryWarning)]
+    assert len(messages) == 1 and reason in messages[0] and "power of two" in messages[0]
+    assert [backend.pinned_bytes(buffer) for buffer in buffers] == [32, 4096]
 
 
 # -- copies, streams, events ------------------------------------------------------
@@ -323,10 +386,13 @@ def real_backend(backend_name: str) -> AcceleratorBackend:
     return AcceleratorBackend(backend_name)
 
 
-def test_real_pinned_round_trip_through_copy_streams(real_backend: AcceleratorBackend) -> None:
+@pytest.mark.parametrize("mode", ["exact", "caching"])
+def test_real_pinned_round_trip_through_copy_streams(real_backend: AcceleratorBackend, mode: str) -> None:
+    if mode == "exact" and real_backend.name != "cuda":
+        pytest.skip(f"{real_backend.name} has no public host-registration API: exact falls back to caching")
     with warnings.catch_warnings():
         warnings.simplefilter("error", PinnedMemoryWarning)
-        host = real_backend.empty_host(1 << 16, torch.float32)
+        host = real_backend.empty_host(1 << 16, torch.float32, mode=mode)  # type: ignore[arg-type]
     assert host.is_pinned()
     host.copy_(torch.arange(1 << 16, dtype=torch.float32))
     device_tensor = real_backend.empty((1 << 16,), torch.float32)
@@ -342,6 +408,27 @@ def test_real_pinned_round_trip_through_copy_streams(real_backend: AcceleratorBa
     real_backend.copy(result, device_tensor, stream=d2h)
     real_backend.record_event(d2h).synchronize()
     assert torch.equal(result, torch.arange(1 << 16, dtype=torch.float32) * 2)
+
+
+def test_real_exact_buffers_pin_to_the_page_outside_torchs_allocator_and_unregister(
+    real_backend: AcceleratorBackend,
+) -> None:
+    """100 allocate/free cycles of a 3 MiB + 20 B buffer: pinned, page-rounded, never in torch's host allocator;
+    a registration left behind would make the next one at the same address fail (warnings are errors here)."""
+    if real_backend.name != "cuda":
+        pytest.skip("exact-size pinning registers memory through the CUDA runtime")
+    allocator_bytes = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    numel = (3 << 20) // 4 + 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PinnedMemoryWarning)
+        for _ in range(100):
+            buffer = real_backend.empty_host(numel, torch.float32)
+            assert buffer.is_pinned()
+            assert real_backend.pinned_bytes(buffer) == (3 << 20) + 4096
+            buffer.fill_(1.0)
+            del buffer
+            gc.collect()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == allocator_bytes
 
 
 def test_real_release_and_restore_change_allocated_bytes(real_backend: AcceleratorBackend) -> None:

@@ -25,7 +25,7 @@ ROW_FIELDS = {
     "workload", "optimizer", "swap_times", "packed", "duplex", "params", "plain_step_s", "swapped_step_s", "ratio",
     "swapped_state_bytes", "h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "batches", "achieved_gbps",
     "added_s", "copy_floor_s", "copy_floor_efficiency", "copies_alone_s", "ideal_step_s", "ideal_percent",
-    "peak_state_device_bytes_swapped", "peak_state_device_bytes_unswapped",
+    "peak_state_device_bytes_swapped", "peak_state_device_bytes_unswapped", "host_state_bytes", "host_pinned_bytes",
 }  # fmt: skip
 
 
@@ -72,6 +72,8 @@ def test_exact_counts_many_small(report: dict[str, Any]) -> None:
         # Two arenas of one balanced batch each: 2 x 64 x 4096 / k.
         staging = 2 * 64 * 4096 // row["swap_times"]
         assert row["peak_state_device_bytes_swapped"] == staging
+        # Exact pinning: the packed buffer is 64 pages; per tensor, each 4 KiB state is one page.
+        assert row["host_state_bytes"] == row["host_pinned_bytes"] == 64 * 4096
 
 
 def test_exact_counts_mixed_dtypes(report: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from .backends.host_memory import HOST_MEMORY_MODES, HostMemoryMode
 from .backends.protocol import DeviceBackend
 
 __all__ = ["BACKEND_NAMES", "BackendSpec", "SwapConfig"]
@@ -63,6 +64,10 @@ class SwapConfig:
     backend: BackendSpec = "auto"
     """``"auto"`` (the parameters' device), ``"sim"``, ``"cuda"``, ``"npu"``, ``"xpu"`` or a backend."""
 
+    host_memory: HostMemoryMode = "exact"
+    """``"exact"``: host buffers pinned at their size, to the page (CUDA registers them with the driver; elsewhere
+    the caching path, with a warning); ``"caching"``: torch's pinned allocator, which rounds up to a power of two."""
+
     def __post_init__(self) -> None:
         _require_int("swap_times", self.swap_times, minimum=1)
         if self.max_batch_bytes is not None:
@@ -75,6 +80,10 @@ class SwapConfig:
         _require_bool("keep_staging", self.keep_staging)
         _require_bool("trace", self.trace)
         _validate_backend(self.backend)
+        if self.host_memory not in HOST_MEMORY_MODES:
+            raise ValueError(
+                f"Invalid SwapConfig.host_memory: {self.host_memory!r}; expected one of {HOST_MEMORY_MODES}"
+            )
 
     def replace(self, **overrides: object) -> SwapConfig:
         """A copy with ``overrides`` applied and validated; unknown names raise ``TypeError``."""

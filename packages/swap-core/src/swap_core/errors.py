@@ -13,6 +13,7 @@ __all__ = [
     "AdapterNotFoundError",
     "AdapterVersionError",
     "DuplicateAdapterError",
+    "HostMemoryError",
     "PinnedMemoryWarning",
     "SimError",
     "SimInjectedFault",
@@ -57,6 +58,10 @@ class UnsupportedOptimizerError(SwapError, ValueError):
 
 class StateDictMismatchError(SwapError, ValueError):
     """A state dict does not match the optimizer it is loaded into."""
+
+
+class HostMemoryError(SwapError, MemoryError):
+    """The host cannot hold the pinned memory the swapped states need; raised before anything is allocated."""
 
 
 class SwapStateError(SwapError, RuntimeError):

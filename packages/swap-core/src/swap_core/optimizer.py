@@ -126,22 +126,29 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._plan_params = 0
         self._every_param_ready = False
         self._step_grads: list[torch.Tensor | None] = []
-        self._share_hooks()
-        # Never a checkpoint of stale host mirrors, whichever handle's state_dict() is called.
-        self.register_state_dict_pre_hook(_synchronized(self), prepend=True)
-        # First post-hook: user hooks see the checkpoint form of the state dict.
-        self.register_state_dict_post_hook(_exported(self.adapter), prepend=True)
         self._tracked = TrackedState()
         self._seen_state_version = -1
         self._layout: Layout = ([], [])
         self._mirror_check: _MirrorCheck | None = None
         self._scheduler: PipelineScheduler | None = None
         self._store: StateStore | None = None
-        if self.backend is not None:
-            self._scheduler = PipelineScheduler(self.backend, duplex=config.duplex)
-            self._adopt_params()
-            self._adopt_state()
-            self._layout = _layout(self.param_groups, self._ordered_params())
+        original_state = optimizer.state
+        try:
+            self._share_hooks()
+            # Never a checkpoint of stale host mirrors, whichever handle's state_dict() is called.
+            self.register_state_dict_pre_hook(_synchronized(self), prepend=True)
+            # First post-hook: user hooks see the checkpoint form of the state dict.
+            self.register_state_dict_post_hook(_exported(self.adapter), prepend=True)
+            if self.backend is not None:
+                self._scheduler = PipelineScheduler(self.backend, duplex=config.duplex)
+                self._adopt_params()
+                self._adopt_state()  # existing states move to host memory (may find the host too small)
+                self._layout = _layout(self.param_groups, self._ordered_params())
+        except BaseException:
+            # The wrapped optimizer is left as it was: its own state mapping, none of swap's hooks.
+            optimizer.state = original_state
+            _remove_swap_hooks(optimizer)
+            raise
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _share_hooks(self) -> None:
@@ -152,9 +159,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             if hooks is None:
                 hooks = OrderedDict()
                 setattr(self.optimizer, name, hooks)
-            for handle in [handle for handle, hook in hooks.items() if getattr(hook, "_swap_core_hook", False)]:
-                del hooks[handle]  # an earlier (dead) wrapper's
             setattr(self, name, hooks)
+        _remove_swap_hooks(self.optimizer)  # an earlier (dead) wrapper's
         self._patch_step_function()
 
     # -- the wrapped optimizer's own objects -----------------------------------
@@ -243,6 +249,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             note_step_for_lr_schedulers(self.optimizer)
         stats.resident_state_device_bytes = self._resident_bytes
         stats.host_state_bytes = self._store.host_bytes if self._store is not None else 0
+        stats.host_pinned_bytes = self._store.host_pinned_bytes if self._store is not None else 0
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
         self.stats = stats
@@ -331,19 +338,27 @@ class SwapOptimizer(torch.optim.Optimizer):
             for group_index, param in params
             if not self.state[param]
         ]
+        if not fresh:
+            return
+        self._plan = None
         new: list[tuple[SwapSlot, StateSource]] = []
-        for param, initial in fresh:
-            state = self.state[param]
-            for key, value in initial.items():
-                state[key] = value
-                if not isinstance(value, StateInit):
-                    continue
-                if self._store.should_swap(key, value):
-                    new.append((_slot_for(param, key, value), float(value.fill)))
-                else:
-                    state[key] = self._store.resident_value(value, param)
-            self._plan = None
-        self._store.add(new, self._ordered_params())
+        try:
+            with self._store.all_or_nothing():
+                for param, initial in fresh:
+                    state = self.state[param]
+                    for key, value in initial.items():
+                        state[key] = value
+                        if not isinstance(value, StateInit):
+                            continue
+                        if self._store.should_swap(key, value):
+                            new.append((_slot_for(param, key, value), float(value.fill)))
+                        else:
+                            state[key] = self._store.resident_value(value, param)
+                self._store.add(new, self._ordered_params())
+        except BaseException:
+            for param, _ in fresh:  # each had no state: it has none again (e.g. the host lacked the memory)
+                self.state[param].clear()
+            raise
 
     def _current_plan(self) -> SwapPlan:
         assert self._store is not None and self.backend is not None
@@ -422,14 +437,23 @@ class SwapOptimizer(torch.optim.Optimizer):
         return all(map(operator.is_, map(dict.get, entries, keys), values))
 
     def _adopt_state(self) -> None:
-        """Make the wrapped optimizer's current ``state`` the swapped one: tracked, swapped tensors in host memory."""
+        """Make the wrapped optimizer's current ``state`` the swapped one: tracked, swapped tensors in host memory.
+
+        All or nothing: if the host cannot hold them, the optimizer is left exactly as it was.
+        """
         state = self.optimizer.state
+        previous = (self._tracked, self._seen_state_version, self._store, self._mirror_check, self._plan)
         tracked = state if isinstance(state, TrackedState) else TrackedState(state)
         self.optimizer.state = tracked
         self._tracked = tracked
         self._seen_state_version = tracked.version
-        self._replace_store(self._new_store(self._swap_keys()))
-        self._offload_existing_states(self._ordered_params())
+        try:
+            self._replace_store(self._new_store(self._swap_keys()))
+            self._offload_existing_states(self._ordered_params())
+        except BaseException:
+            self.optimizer.state = state
+            self._tracked, self._seen_state_version, self._store, self._mirror_check, self._plan = previous
+            raise
 
     def _replace_store(self, store: StateStore) -> None:
         """A new store: nothing may keep the old one's host memory (or its states' device memory) alive."""
@@ -449,9 +473,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             for param, slots in self._store.slots.items()
             if any(self.state.get(param, _NO_ENTRY).get(key) is not slot.host_value for key, slot in slots.items())
         ]
-        self._store.remove(stale)
-        if not self._offload_existing_states(stale, order=ordered):
-            self._store.reorder(ordered)  # nothing was added (which re-packs): re-pack without the removed slots
+        with self._store.all_or_nothing():
+            self._store.remove(stale)
+            if not self._offload_existing_states(stale, order=ordered):
+                self._store.reorder(ordered)  # nothing was added (which re-packs): re-pack without the removed slots
         self._seen_state_version = self._tracked.version
         self._plan = None  # state dicts are bound to the batches
 
@@ -631,6 +656,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             offload_fraction=self.config.offload_fraction,
             packed=self.config.packed,
             copy_stream=self._scheduler.d2h,
+            host_memory=self.config.host_memory,
         )
 
     def _offload_existing_states(
@@ -699,6 +725,13 @@ def _check_distinct_params(groups: Sequence[Mapping[str, Any]]) -> None:
                 f"Parameter {tuple(param.shape)} appears {where}: torch would update it twice per step, and a swapped "
                 "optimizer keeps one state per parameter. List each parameter once"
             )
+
+
+def _remove_swap_hooks(optimizer: torch.optim.Optimizer) -> None:
+    for name in _HOOK_DICTS:
+        hooks = optimizer.__dict__.get(name, {})
+        for handle in [handle for handle, hook in hooks.items() if getattr(hook, "_swap_core_hook", False)]:
+            del hooks[handle]
 
 
 def _tagged(hook: Callable[..., Any]) -> Callable[..., Any]:

@@ -35,5 +35,9 @@ class SwapStats:
     host_state_bytes: int = 0
     """Host bytes holding this rank's swapped state (distributed families: only what the rank owns)."""
 
+    host_pinned_bytes: int = 0
+    """Host bytes this rank really pinned for them, rounding included (``SwapConfig.host_memory``): page-rounded
+    buffers with ``"exact"``, power-of-two ones with ``"caching"``; 0 for pageable fallback memory."""
+
     step_seconds: float = 0.0
     """Host wall time of ``step()`` (asynchronous device work may still be running when it returns)."""

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import warnings
 from collections.abc import Sequence
 from typing import Protocol, cast
 
 import torch
 
+from swap_core.backends.host_memory import HostMemoryMode, available_host_bytes, pinned_size, warn_pinning_once
+from swap_core.backends.host_registration import HostRegistrar, host_registrar, registered_host_buffer
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import spans_whole_storage
-from swap_core.errors import PinnedMemoryWarning
 
 __all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend"]
 
@@ -29,6 +29,9 @@ SUPPORTED_DEVICE_TYPES: tuple[str, ...] = ("cuda", "npu", "xpu")
 
 _DEVICE_EXTENSIONS: dict[str, str] = {"npu": "torch_npu"}
 """Out-of-tree device types and the extension module that registers them with torch."""
+
+_PINNED_BYTES = "_swap_pinned_bytes"
+"""Attribute an ``empty_host`` buffer carries: the host bytes pinned for it."""
 
 _INSTALL_HINTS: dict[str, str] = {
     "npu": "torch_npu must be installed for the npu device (pip install swap-core[npu]) and an Ascend NPU visible",
@@ -83,25 +86,32 @@ class AcceleratorBackend:
     """
 
     def __init__(self, device_type: str, device_index: int | None = None) -> None:
-        self._setup(device_type, _load_device_module(device_type), device_index)
+        self._setup(device_type, _load_device_module(device_type), device_index, None)
 
     @classmethod
     def _from_module(
-        cls, device_type: str, module: _DeviceModule, device_index: int | None = None
+        cls,
+        device_type: str,
+        module: _DeviceModule,
+        device_index: int | None = None,
+        registrar: HostRegistrar | None = None,
     ) -> AcceleratorBackend:
-        """A backend over an explicit device module, skipping the availability check (tests fake one)."""
+        """A backend over an explicit device module (and host registrar), skipping the availability check."""
         backend = cls.__new__(cls)
-        backend._setup(device_type, module, device_index)
+        backend._setup(device_type, module, device_index, registrar)
         return backend
 
-    def _setup(self, device_type: str, module: _DeviceModule, device_index: int | None) -> None:
+    def _setup(
+        self, device_type: str, module: _DeviceModule, device_index: int | None, registrar: HostRegistrar | None
+    ) -> None:
         index = module.current_device() if device_index is None else device_index
         count = module.device_count()
         if type(index) is not int or not 0 <= index < count:  # bool is an int subclass: rejected too
             raise ValueError(f"Invalid {device_type} device index {device_index!r}: {count} device(s) are visible")
         self._module = module
         self._device = torch.device(device_type, index)
-        self._warned_pageable = False
+        self._warned: set[str] = set()
+        self._registrar: HostRegistrar | None = host_registrar(device_type) if registrar is None else registrar
 
     def __repr__(self) -> str:
         return f"AcceleratorBackend({str(self._device)!r})"
@@ -130,24 +140,62 @@ class AcceleratorBackend:
         """Uninitialized device memory from torch's caching allocator, on the current stream."""
         return torch.empty(tuple(shape), dtype=dtype, device=self._device)
 
-    def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host buffer; pageable when pinning fails, which makes copies synchronous but still correct."""
+    def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
+        """A pinned host buffer, pinned as :mod:`~swap_core.backends.host_memory` describes.
+
+        ``"exact"``: page-aligned memory registered with the driver (CUDA), unregistered when the last
+        tensor using it is gone; where that fails or the device has no public way to do it, the caching
+        path (one warning). ``"caching"``: torch's pinned allocator. Pageable when pinning fails
+        altogether, which makes copies synchronous but still correct.
+        """
+        nbytes = numel * dtype.itemsize
+        if mode == "exact":
+            if self._registrar is not None:
+                try:
+                    buffer = registered_host_buffer(numel, dtype, self._registrar)
+                except RuntimeError as error:
+                    self._warn_caching_once(f"registering it with the driver failed ({error})")
+                else:
+                    return self._record_pinned(buffer, pinned_size(nbytes, "exact"))
+            else:
+                self._warn_caching_once(f"{self._device.type} has no public way to register host memory")
         try:
-            return _empty_pinned(numel, dtype)
+            buffer = _empty_pinned(numel, dtype)
         except RuntimeError as error:
             self._warn_pageable_once(error)
             return torch.empty(numel, dtype=dtype)
+        return self._record_pinned(buffer, pinned_size(nbytes, "caching"))
+
+    def pinned_bytes(self, buffer: torch.Tensor) -> int:
+        """Host bytes pinned for ``buffer`` (from :meth:`empty_host`), rounding included; 0 when pageable."""
+        return int(getattr(buffer, _PINNED_BYTES, 0))
+
+    def available_host_bytes(self) -> int | None:
+        """This host's available memory (``MemAvailable`` on Linux)."""
+        return available_host_bytes()
+
+    @staticmethod
+    def _record_pinned(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+        setattr(buffer, _PINNED_BYTES, nbytes)
+        return buffer
+
+    def _warn_caching_once(self, reason: str) -> None:
+        warn_pinning_once(
+            self._warned,
+            "caching",
+            f"Exact-size pinned host memory is not available on {self._device}: {reason}. Host buffers come "
+            "from torch's caching pinned allocator, which rounds each one up to a power of two "
+            "(opt.stats.host_pinned_bytes shows what is pinned; host_memory='caching' skips the attempt)",
+            stacklevel=3,
+        )
 
     def _warn_pageable_once(self, error: RuntimeError) -> None:
-        if self._warned_pageable:
-            return
-        self._warned_pageable = True
-        warnings.warn(
-            PinnedMemoryWarning(
-                f"Pinned host memory could not be allocated for {self._device} ({error}); "
-                "falling back to pageable memory. Host<->device copies become synchronous, so transfers no "
-                "longer overlap with compute. Check the accelerator runtime or raise the memlock limit (ulimit -l)."
-            ),
+        warn_pinning_once(
+            self._warned,
+            "pageable",
+            f"Pinned host memory could not be allocated for {self._device} ({error}); "
+            "falling back to pageable memory. Host<->device copies become synchronous, so transfers no "
+            "longer overlap with compute. Check the accelerator runtime or raise the memlock limit (ulimit -l).",
             stacklevel=3,
         )
 

@@ -28,6 +28,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .host_memory import HostMemoryMode
+
 __all__ = ["DeviceBackend", "Event", "Stream"]
 
 
@@ -78,8 +80,17 @@ class DeviceBackend(Protocol):
         """Allocate device memory on the compute stream; contents are undefined."""
         ...
 
-    def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Allocate a 1-D host buffer, pinned when possible (pageable fallback warns once)."""
+    def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
+        """Allocate a 1-D host buffer, pinned as ``mode`` says when possible (see :mod:`.host_memory`;
+        a fallback warns once)."""
+        ...
+
+    def pinned_bytes(self, buffer: torch.Tensor) -> int:
+        """Host bytes pinned for a buffer :meth:`empty_host` returned, rounding included (0 when pageable)."""
+        ...
+
+    def available_host_bytes(self) -> int | None:
+        """Host bytes that can still be allocated, or ``None`` where it is unknown."""
         ...
 
     def release_storage(self, tensor: torch.Tensor) -> None:

@@ -78,6 +78,10 @@ class RowResult:
     ideal_percent: float
     peak_state_device_bytes_swapped: int
     peak_state_device_bytes_unswapped: int
+    host_state_bytes: int
+    """Host bytes the swapped states need."""
+    host_pinned_bytes: int
+    """Host bytes really pinned for them, rounding included (``SwapConfig.host_memory``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -153,6 +157,8 @@ def measure_row(
         ideal_percent=100.0 * ideal_s / swapped_s,
         peak_state_device_bytes_swapped=stats.peak_state_device_bytes,
         peak_state_device_bytes_unswapped=_state_bytes(plain),
+        host_state_bytes=stats.host_state_bytes,
+        host_pinned_bytes=stats.host_pinned_bytes,
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from ..backends.host_memory import HostMemoryMode, pinned_size
 from ..backends.protocol import DeviceBackend
 from .slots import SwapSlot
 
@@ -39,15 +40,17 @@ def align_up(value: int, alignment: int) -> int:
 class PackedHost:
     """Per-dtype host buffers holding swapped states at fixed element offsets."""
 
-    def __init__(self, backend: DeviceBackend, slots: Sequence[SwapSlot]) -> None:
-        self.offsets: dict[SwapSlot, int] = {}
-        sizes: dict[torch.dtype, int] = {}
-        for slot in slots:
-            align = SLOT_ALIGN_BYTES // slot.dtype.itemsize
-            start = align_up(sizes.get(slot.dtype, 0), align)
-            self.offsets[slot] = start
-            sizes[slot.dtype] = start + slot.numel
-        self.buffers = {dtype: backend.empty_host(numel, dtype) for dtype, numel in sizes.items()}
+    def __init__(self, backend: DeviceBackend, slots: Sequence[SwapSlot], *, mode: HostMemoryMode = "exact") -> None:
+        self.offsets, sizes = _layout(slots)
+        self.buffers = {dtype: backend.empty_host(numel, dtype, mode=mode) for dtype, numel in sizes.items()}
+        self.pinned_bytes = sum(backend.pinned_bytes(buffer) for buffer in self.buffers.values())
+        """Host bytes pinned for the buffers, rounding included (0 for pageable ones)."""
+
+    @staticmethod
+    def required_pinned_bytes(slots: Sequence[SwapSlot], mode: HostMemoryMode) -> int:
+        """The pinned bytes a layout of ``slots`` will take (to check before allocating)."""
+        _, sizes = _layout(slots)
+        return sum(pinned_size(numel * dtype.itemsize, mode) for dtype, numel in sizes.items())
 
     def view(self, slot: SwapSlot) -> torch.Tensor:
         """The slot's host mirror: a shaped view into its dtype's buffer."""
@@ -112,6 +115,18 @@ class StagingArenas:
             for arena in self.arenas:
                 self._backend.release_storage(arena)
             self.allocated = False
+
+
+def _layout(slots: Sequence[SwapSlot]) -> tuple[dict[SwapSlot, int], dict[torch.dtype, int]]:
+    """Each slot's element offset in its dtype's buffer (64-byte aligned), and each buffer's element count."""
+    offsets: dict[SwapSlot, int] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for slot in slots:
+        align = SLOT_ALIGN_BYTES // slot.dtype.itemsize
+        start = align_up(sizes.get(slot.dtype, 0), align)
+        offsets[slot] = start
+        sizes[slot.dtype] = start + slot.numel
+    return offsets, sizes
 
 
 def arena_layout(region_bytes: Mapping[torch.dtype, int]) -> list[tuple[torch.dtype, int]]:

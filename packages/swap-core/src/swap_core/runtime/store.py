@@ -9,13 +9,16 @@ per dtype in packed mode, one pinned buffer per state otherwise. Between steps
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..adapters.base import StateInit
+from ..backends.host_memory import HostMemoryMode, pinned_size
 from ..backends.protocol import DeviceBackend, Stream
+from ..errors import HostMemoryError
 from .dtensor import local_tensor, shard_layout, wrap_local
 from .packed import PackedHost
 from .slots import SlotState, SwapSlot, is_swappable, layout_stride, transition
@@ -39,8 +42,12 @@ class StateStore:
         offload_fraction: float,
         packed: bool,
         copy_stream: Stream,
+        host_memory: HostMemoryMode = "exact",
     ) -> None:
         self._backend = backend
+        self._host_memory: HostMemoryMode = host_memory
+        self._tensor_pinned_bytes: dict[SwapSlot, int] = {}
+        """Per-tensor mode: the pinned bytes of each slot's own host buffer."""
         self._state = state
         self._swap_keys = frozenset(swap_keys)
         self._min_numel = min_numel
@@ -100,6 +107,21 @@ class StateStore:
             return self._backend.empty(shape, dtype)
         return self._backend.empty((shape.numel(),), dtype).as_strided(shape, stride)
 
+    @contextlib.contextmanager
+    def all_or_nothing(self) -> Iterator[None]:
+        """Decisions (:meth:`should_swap`) and slots added in the block are undone if it raises."""
+        saved = (
+            self._swapped_bytes,
+            self._candidate_bytes,
+            {param: dict(slots) for param, slots in self.slots.items()},
+            dict(self._tensor_pinned_bytes),
+        )
+        try:
+            yield
+        except BaseException:
+            self._swapped_bytes, self._candidate_bytes, self.slots, self._tensor_pinned_bytes = saved
+            raise
+
     # -- creating -------------------------------------------------------------
     def add(self, new: Sequence[tuple[SwapSlot, StateSource]], order: Sequence[torch.Tensor]) -> None:
         """Give new slots host mirrors filled from their sources; ``order`` is the parameter order."""
@@ -112,8 +134,11 @@ class StateStore:
         if self._packed:
             self._relayout(order, dict((slot, source) for slot, source in new))
         else:
+            self._check_host_capacity(sum(pinned_size(slot.nbytes, self._host_memory) for slot, _ in new))
             for slot, source in new:
-                slot.host = slot.shaped(self._backend.empty_host(slot.numel, slot.dtype))
+                buffer = self._backend.empty_host(slot.numel, slot.dtype, mode=self._host_memory)
+                self._tensor_pinned_bytes[slot] = self._backend.pinned_bytes(buffer)
+                slot.host = slot.shaped(buffer)
                 slot.device = slot.shaped(self._backend.empty((slot.numel,), slot.dtype))
                 self._backend.release_storage(slot.device)
                 self._fill(slot.host, source)
@@ -129,6 +154,7 @@ class StateStore:
             for slot in self.slots.pop(param, {}).values():
                 self._swapped_bytes -= slot.nbytes
                 self._candidate_bytes -= slot.nbytes
+                self._tensor_pinned_bytes.pop(slot, None)
         self.version += 1
 
     def reorder(self, order: Sequence[torch.Tensor]) -> None:
@@ -156,7 +182,8 @@ class StateStore:
 
     def _relayout(self, order: Sequence[torch.Tensor], sources: dict[SwapSlot, StateSource]) -> None:
         slots = self.ordered_slots(order)
-        packed = PackedHost(self._backend, slots)
+        self._check_host_capacity(PackedHost.required_pinned_bytes(slots, self._host_memory))
+        packed = PackedHost(self._backend, slots, mode=self._host_memory)
         for slot in slots:
             view = packed.view(slot)
             source = sources.get(slot)
@@ -183,7 +210,34 @@ class StateStore:
     def _finish_fills(self) -> None:
         self._backend.synchronize()
 
+    def _check_host_capacity(self, needed: int) -> None:
+        """Refuse, before allocating, pinned host memory the host does not have (nothing is allocated)."""
+        available = self._backend.available_host_bytes()
+        if available is None or needed <= available:
+            return
+        held = self.host_pinned_bytes
+        message = (
+            f"Swapping needs {_gib(needed)} of pinned host memory for this rank's optimizer states "
+            f"(host_memory={self._host_memory!r}), but the host has {_gib(available)} available"
+        )
+        if held:
+            message += f" (the current layout, {_gib(held)}, is held until the new one is filled)"
+        message += (
+            ". Nothing was allocated. Keep more state on the device (offload_fraction < 1, or fewer state_keys), "
+            "or spread the states over more ranks (FSDP2 shards them)"
+        )
+        if self._host_memory == "caching":
+            message += "; host_memory='exact' pins less than 'caching', which rounds each buffer up to a power of two"
+        raise HostMemoryError(message)
+
     # -- reporting ------------------------------------------------------------
+    @property
+    def host_pinned_bytes(self) -> int:
+        """Host bytes pinned for the swapped states, rounding included."""
+        if self.packed_host is not None:
+            return self.packed_host.pinned_bytes
+        return sum(self._tensor_pinned_bytes.values())
+
     @property
     def host_bytes(self) -> int:
         if self.packed_host is not None:
@@ -202,6 +256,10 @@ class StateStore:
                     local = local_tensor(value)
                     total += local.numel() * local.element_size()
         return total
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB ({nbytes} bytes)"
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -13,16 +13,22 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from swap_core.backends.host_memory import (
+    HOST_MEMORY_MODES,
+    HostMemoryMode,
+    available_host_bytes,
+    pinned_size,
+    warn_pinning_once,
+)
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import spans_whole_storage
-from swap_core.errors import PinnedMemoryWarning, SimPageableCopyError, SimUseAfterFreeError
+from swap_core.errors import SimPageableCopyError, SimUseAfterFreeError
 
 from .checks import ComputeCheckMode, ComputeOpChecker
 from .copy_stats import CopyStats
@@ -78,6 +84,11 @@ class SimBackend:
             and returns pageable memory, whose copies run synchronously.
         on_race: ``"raise"`` a :class:`~swap_core.errors.SimRaceError` at the first
             race, or only ``"record"`` it in :attr:`races`.
+        exact_pinning: ``False`` simulates a driver that cannot register memory:
+            ``mode="exact"`` host buffers fall back to the caching allocator's
+            power-of-two rounding, warning once.
+        host_bytes: simulate a host with this much available memory (less the live
+            pinned buffers) instead of reading the real host's.
     """
 
     def __init__(
@@ -89,6 +100,8 @@ class SimBackend:
         pinned_memory: bool = True,
         *,
         on_race: OnRace = "raise",
+        exact_pinning: bool = True,
+        host_bytes: int | None = None,
     ) -> None:
         if mode not in SIM_MODES:
             raise ValueError(f"Invalid simulator mode: {mode!r}; expected one of {SIM_MODES}")
@@ -102,6 +115,10 @@ class SimBackend:
         self.check_races = check_races
         self.poison = poison
         self.pinned_memory = pinned_memory
+        self.exact_pinning = exact_pinning
+        if host_bytes is not None and not is_count(host_bytes):
+            raise ValueError(f"Invalid simulated host_bytes: {host_bytes!r}; expected an int >= 0 or None")
+        self.host_bytes = host_bytes
         self.on_race: OnRace = on_race
         self.copy_stats = CopyStats()
         """Copies and bytes per direction since construction or :meth:`reset_copy_stats`."""
@@ -117,7 +134,7 @@ class SimBackend:
         )
         self._active_mode: ComputeCheckMode | None = None
         self._fault: CopyFault | None = None
-        self._warned_pageable = False
+        self._warned: set[str] = set()
 
     def __repr__(self) -> str:
         return (
@@ -171,21 +188,55 @@ class SimBackend:
         self._compute_writes_storage(tensor, nbytes, "empty (allocation)")
         return tensor
 
-    def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A poisoned 1-D host buffer; pageable (copies run synchronously) when pinning is simulated to fail."""
+    def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
+        """A poisoned 1-D host buffer that counts what a real one would pin (:mod:`~swap_core.backends.host_memory`).
+
+        Pageable (copies run synchronously) when pinning is simulated to fail; the caching path, with
+        its power-of-two rounding, when exact registration is (``exact_pinning=False``).
+        """
         if not is_count(numel):
             raise ValueError(f"Invalid host buffer size: {numel!r}; expected an int >= 0")
+        if mode not in HOST_MEMORY_MODES:
+            raise ValueError(f"Invalid host memory mode: {mode!r}; expected one of {HOST_MEMORY_MODES}")
         self._tick()
         with self._untracked():
             tensor = torch.empty(numel, dtype=dtype)
             if self.poison:
                 poison_storage(tensor)
-        if self.pinned_memory:
-            self._registry.register(tensor, MemoryKind.HOST)
-        else:
+        if not self.pinned_memory:
             self._warn_pageable_once()
             self._registry.register(tensor, MemoryKind.PAGEABLE_HOST)
+            return tensor
+        if mode == "exact" and not self.exact_pinning:
+            self._warn_caching_once()
+            mode = "caching"
+        record = self._registry.register(tensor, MemoryKind.HOST)
+        record.pinned_bytes = pinned_size(numel * dtype.itemsize, mode)
         return tensor
+
+    def pinned_bytes(self, buffer: torch.Tensor) -> int:
+        """What a real device would have pinned for ``buffer`` (0 for pageable or device memory)."""
+        record = self._registry.lookup(storage_key(buffer))
+        return record.pinned_bytes if record is not None else 0
+
+    def host_pinned_bytes(self) -> int:
+        """Pinned host bytes of every live :meth:`empty_host` buffer (rounding included): the process-wide figure."""
+        return sum(record.pinned_bytes for record in self._registry.records.values())
+
+    def available_host_bytes(self) -> int | None:
+        """The real host's available memory, or ``host_bytes`` less the live pinned buffers when one was given."""
+        if self.host_bytes is None:
+            return available_host_bytes()
+        return self.host_bytes - self.host_pinned_bytes()
+
+    def _warn_caching_once(self) -> None:
+        warn_pinning_once(
+            self._warned,
+            "caching",
+            "Simulated: exact-size pinning (registering the buffer with the driver) failed; host buffers come "
+            "from the caching pinned allocator, which rounds each one up to a power of two",
+            stacklevel=3,
+        )
 
     def release_storage(self, tensor: torch.Tensor) -> None:
         """Free the storage on the compute stream; the compute stream must have waited for copies still using it.
@@ -455,15 +506,12 @@ class SimBackend:
             self._race_checker.forget(key)
 
     def _warn_pageable_once(self) -> None:
-        if self._warned_pageable:
-            return
-        self._warned_pageable = True
-        warnings.warn(
-            PinnedMemoryWarning(
-                "Pinned host memory is unavailable (SimBackend(pinned_memory=False) simulates a failed pin); "
-                "falling back to pageable memory: host<->device copies become synchronous and no longer overlap "
-                "with compute."
-            ),
+        warn_pinning_once(
+            self._warned,
+            "pageable",
+            "Pinned host memory is unavailable (SimBackend(pinned_memory=False) simulates a failed pin); "
+            "falling back to pageable memory: host<->device copies become synchronous and no longer overlap "
+            "with compute.",
             stacklevel=3,
         )
 

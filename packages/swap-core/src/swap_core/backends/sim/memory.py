@@ -54,6 +54,8 @@ class StorageRecord:
     counted_bytes: int = 0
     retained: bool = False
     """Released by ``release_storage`` with checks off: uncounted, but its bytes stay mapped for reuse."""
+    pinned_bytes: int = 0
+    """Host bytes a real pinned buffer of this size would hold (rounding included); 0 for device or pageable."""
     finalizer: weakref.finalize[[int, StorageRecord], torch.Tensor] | None = field(default=None, repr=False)
     is_host: bool = field(init=False)
     """Flags precomputed from ``kind``: the copy path tests them on every call."""
