@@ -50,6 +50,13 @@ def _dtensor_parity(rank: int, world_size: int) -> None:
         square_avg = swapped_state["state"][0]["square_avg"]
         assert isinstance(square_avg, DTensor) and square_avg.placements == (Shard(0),)
         assert swapped.stats.h2d_bytes > 0
+        # Per rank, host memory holds this rank's shards only: three states of each local shard that is
+        # large enough to swap (exact per tensor; packed, up to the 64-byte alignment between states).
+        locals_ = [param.to_local() for param in swapped_params]  # type: ignore[attr-defined]
+        shard_bytes = [local.numel() * local.element_size() for local in locals_ if local.numel() >= 16]
+        host_bytes, needed, states = swapped.stats.host_state_bytes, 3 * sum(shard_bytes), 3 * len(shard_bytes)
+        full_bytes = 3 * sum(torch.Size(shape).numel() * 4 for shape in SHAPES)
+        assert needed <= host_bytes <= needed + (64 * (states - 1) if packed else 0) < full_bytes, host_bytes
     dist.barrier()
 
 

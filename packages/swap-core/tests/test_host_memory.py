@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import defaultdict
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def _params(*numels: int) -> list[torch.nn.Parameter]:
 def _grads(params: list[torch.nn.Parameter], step: int) -> None:
     generator = torch.Generator().manual_seed(10 + step)
     for param in params:
-        param.grad = torch.randn(param.shape, generator=generator)
+        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
 
 
 def test_pinned_sizes_round_to_the_page_or_to_a_power_of_two() -> None:
@@ -167,3 +168,125 @@ def test_a_checkpoint_the_host_cannot_take_through_the_plain_optimizer_changes_n
     for index, (want, got) in enumerate(zip(reference_params, params, strict=True)):
         assert_bitwise_equal(want, got, f"parameter {index}")
     assert_state_dicts_equal(reference.state_dict(), optimizer.state_dict(), "after the refused adoption")
+
+
+class _CountedCopies(torch.overrides.TorchFunctionMode):
+    """Counts ``Tensor.copy_`` calls whose destination is host memory (torch's public function-mode hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.into_host_mirrors = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.copy_ and args[0].device.type == "cpu":
+            self.into_host_mirrors += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _adamw_pair(
+    sim: SimBackend, numels: tuple[int, ...], *, packed: bool = True, bf16: bool = False
+) -> tuple[Any, Any, list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """A swapped AdamW and a plain one over equal fp32 parameters (and a bf16 one), not stepped yet."""
+
+    def make() -> list[torch.nn.Parameter]:
+        made = _params(*numels)
+        if bf16:
+            made.append(torch.nn.Parameter(torch.randn(3000, generator=torch.Generator().manual_seed(1)).bfloat16()))
+        return made
+
+    params, reference_params = make(), make()
+    reference = torch.optim.AdamW(reference_params, lr=1e-2)
+    optimizer = swap_optimizer(torch.optim.AdamW(params, lr=1e-2), SwapConfig(backend=sim, min_numel=16, packed=packed))
+    return optimizer, reference, params, reference_params
+
+
+def _step_both(optimizer: Any, reference: Any, params: Any, reference_params: Any, steps: range) -> None:
+    for step in steps:
+        for group, opt in ((params, optimizer), (reference_params, reference)):
+            _grads(group, step)
+            opt.step()
+
+
+def _trained_pair(
+    sim: SimBackend, *, packed: bool
+) -> tuple[Any, Any, list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """:func:`_adamw_pair` over fp32 and bf16 parameters, after two steps."""
+    pair = _adamw_pair(sim, (20_000, 9000), packed=packed, bf16=True)
+    _step_both(*pair, range(2))
+    return pair
+
+
+def _continue_and_compare(optimizer: Any, reference: Any, params: Any, reference_params: Any, what: str) -> None:
+    _step_both(optimizer, reference, params, reference_params, range(2, 4))
+    for index, (want, got) in enumerate(zip(reference_params, params, strict=True)):
+        assert_bitwise_equal(want, got, f"parameter {index} {what}")
+    assert_state_dicts_equal(reference.state_dict(), optimizer.state_dict(), what)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_a_resume_loads_into_the_live_host_mirrors_without_allocating(packed: bool) -> None:
+    """A checkpoint of the live layout is copied into the mirrors in place: the pinned-host peak does not move."""
+    sim = SimBackend(mode="random", seed=3)
+    optimizer, reference, params, reference_params = _trained_pair(sim, packed=packed)
+    checkpoint = copy.deepcopy(reference.state_dict())
+    mirrors = [optimizer.state[param]["exp_avg"] for param in params]
+    sim.reset_peak_memory_stats()
+    pinned = sim.host_pinned_bytes()
+    optimizer.load_state_dict(copy.deepcopy(checkpoint))  # each its own: torch's load keeps `step` tensors as given
+    assert sim.max_host_pinned_bytes() == pinned, "loading a checkpoint of the live layout allocated host memory"
+    assert all(optimizer.state[param]["exp_avg"] is mirror for param, mirror in zip(params, mirrors, strict=True))
+    for index, param in enumerate(params):
+        want = checkpoint["state"][index]["exp_avg"].to(param.dtype)
+        assert_bitwise_equal(want, optimizer.state[param]["exp_avg"], f"exp_avg of parameter {index}")
+    reference.load_state_dict(checkpoint)
+    _continue_and_compare(optimizer, reference, params, reference_params, "after an in-place load")
+
+
+def test_loading_its_own_state_dict_copies_nothing() -> None:
+    """``state_dict()``'s tensors are the mirrors (what DCP loads into): loading them back copies no byte."""
+    sim = SimBackend(mode="lazy")
+    optimizer, reference, params, reference_params = _trained_pair(sim, packed=True)
+    own = optimizer.state_dict()
+    sim.reset_copy_stats()
+    sim.reset_peak_memory_stats()
+    pinned = sim.host_pinned_bytes()
+    with _CountedCopies() as copies:
+        optimizer.load_state_dict(own)
+    assert sim.max_host_pinned_bytes() == pinned
+    assert copies.into_host_mirrors == 0, "a mirror was copied onto itself"
+    assert sim.copy_stats.h2d_copies == sim.copy_stats.d2h_copies == 0
+    _continue_and_compare(optimizer, reference, params, reference_params, "after loading its own state dict")
+
+
+def test_a_state_dict_permuting_live_mirrors_loads_as_torch_does() -> None:
+    """States swapped between two parameters of one shape, as live mirrors: every value is read before any write."""
+    optimizer, reference, params, reference_params = _adamw_pair(SimBackend(mode="sync"), (4000, 4000))
+    _step_both(optimizer, reference, params, reference_params, range(2))
+    for opt in (optimizer, reference):
+        state_dict = opt.state_dict()
+        state_dict["state"][0], state_dict["state"][1] = state_dict["state"][1], state_dict["state"][0]
+        opt.load_state_dict(state_dict)
+    _continue_and_compare(optimizer, reference, params, reference_params, "after a permuted load")
+
+
+def test_a_checkpoint_of_another_layout_is_built_in_new_host_memory() -> None:
+    """A checkpoint with states the live layout lacks: a new layout, held beside the old one until it is filled."""
+    sim = SimBackend(mode="lazy")
+    optimizer, reference, params, reference_params = _adamw_pair(sim, (20_000, 9000))
+    for step in range(2):
+        _grads(reference_params, step)
+        reference.step()
+        _grads(params[:1], step)  # the live optimizer has no state for the second parameter yet
+        optimizer.step()
+    before = sim.host_pinned_bytes()
+    checkpoint = copy.deepcopy(reference.state_dict())
+    sim.reset_peak_memory_stats()
+    optimizer.load_state_dict(copy.deepcopy(checkpoint))  # each its own: torch's load keeps `step` tensors as given
+    after = sim.host_pinned_bytes()
+    assert after > before, "the second parameter's moments were not swapped"
+    assert sim.max_host_pinned_bytes() == before + after
+    with torch.no_grad():
+        for param, loaded in zip(params, reference_params, strict=True):
+            param.copy_(loaded)  # the model's half of the checkpoint
+    reference.load_state_dict(checkpoint)
+    _continue_and_compare(optimizer, reference, params, reference_params, "after loading another layout")

@@ -98,6 +98,25 @@ def test_host_memory_is_not_device_memory() -> None:
         sim.adopt(host)
 
 
+def test_pinned_host_bytes_and_their_peak_follow_buffers_exactly() -> None:
+    sim = SimBackend(mode="sync")
+    first = sim.empty_host(1000, torch.float32)  # 4000 bytes: one page exact, 4096 caching
+    second = sim.empty_host(5000, torch.float32, mode="caching")  # 20000 bytes: 32768 caching
+    view = second[10:20]
+    assert sim.host_pinned_bytes() == sim.max_host_pinned_bytes() == 4096 + 32768
+    del first
+    gc.collect()
+    assert sim.host_pinned_bytes() == 32768 and sim.max_host_pinned_bytes() == 4096 + 32768
+    sim.reset_peak_memory_stats()
+    assert sim.max_host_pinned_bytes() == 32768
+    del second
+    gc.collect()
+    assert sim.host_pinned_bytes() == 32768, "a view keeps its buffer pinned"
+    del view
+    gc.collect()
+    assert sim.host_pinned_bytes() == 0 and sim.max_host_pinned_bytes() == 32768
+
+
 def test_owns_every_cpu_tensor_but_host_memory() -> None:
     sim = SimBackend()
     plain = torch.zeros(3)
@@ -259,3 +278,20 @@ def test_sync_mode_runs_copies_at_once_but_still_checks_ordering() -> None:
     assert torch.equal(staging, torch.arange(4.0))
     with sim.compute_scope(), pytest.raises(SimRaceError):
         staging.add_(1)  # the value is there, yet no wait ordered the compute stream after the copy
+
+
+def test_storage_spans_find_a_tensor_by_its_bytes_not_by_its_storage() -> None:
+    import ctypes
+
+    from swap_core.backends.storage_spans import StorageSpans
+
+    buffer, other = torch.zeros(100), torch.zeros(10)
+    spans = StorageSpans([buffer[10:20]])  # a view adds its whole storage
+    assert buffer[90:] in spans and buffer[:1] in spans
+    assert other not in spans and torch.zeros(0) not in spans and "buffer" not in spans
+    view = buffer[40:50]
+    raw = (ctypes.c_char * 40).from_address(view.data_ptr())
+    alias = torch.frombuffer(raw, dtype=torch.float32)  # another storage over the same bytes
+    assert alias.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    assert alias in spans
+    assert other[9:] in StorageSpans([other, buffer[:5]])

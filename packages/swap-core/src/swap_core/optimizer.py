@@ -536,8 +536,15 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         Casting follows ``torch.optim.Optimizer.load_state_dict`` (floating states
         take the parameter's dtype, ``step`` is kept). The checkpoint is checked
-        and staged completely before anything is replaced, so a mismatch raises
+        completely before anything is replaced, so a mismatch raises
         :class:`~swap_core.errors.StateDictMismatchError` with the state intact.
+
+        Host memory: when the loaded swapped states have the live layout (a resume:
+        the same parameters, keys, shapes and dtypes), their values are copied into
+        the live host mirrors and nothing is allocated; a state dict that holds the
+        mirrors themselves (``state_dict()``'s tensors, which DCP loads into) costs no
+        copy at all. Otherwise the new layout is built in new host memory first and
+        the old one is freed after it.
         """
         if self._store is None:
             self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
@@ -551,8 +558,16 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._follow_edits(ordered)
         state_dict = self.adapter.import_state_dict(state_dict)
         store = self._new_store(self._swap_keys())
-        groups, state = load_swapped_state(self, store, state_dict, ordered)
-        self._replace_store(store)
+        groups, state, loaded = load_swapped_state(self, store, state_dict)
+        if self._store.load_in_place(loaded, state):
+            # The loaded layout is the live one (a resume): the mirrors took the values, nothing was allocated.
+            store = self._store
+            self._plan = None  # the batches and the mirror check hold the old state's entries
+            self._mirror_check = None
+        else:
+            store.attach(state)
+            store.add(loaded, ordered)
+            self._replace_store(store)
         # Finish as torch's load_state_dict does: the wrapped optimizer's __setstate__ fills option
         # defaults missing from older checkpoints (and AdamW forces decoupled weight decay).
         self.optimizer.__setstate__({"state": state, "param_groups": groups})

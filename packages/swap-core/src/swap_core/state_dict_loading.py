@@ -21,11 +21,15 @@ __all__ = ["load_swapped_state", "saved_param_ids"]
 
 
 def load_swapped_state(
-    optimizer: SwapOptimizer, store: StateStore, state_dict: Mapping[str, Any], order: Sequence[torch.Tensor]
-) -> tuple[list[dict[str, Any]], TrackedState]:
-    """New param groups and state for ``optimizer``; swapped states are written into ``store``'s host memory.
+    optimizer: SwapOptimizer, store: StateStore, state_dict: Mapping[str, Any]
+) -> tuple[list[dict[str, Any]], TrackedState, list[tuple[SwapSlot, StateSource]]]:
+    """New param groups and state for ``optimizer``, checked, and the swapped states still to place.
 
-    Nothing of the live optimizer is modified: the caller commits the result.
+    ``store`` (a fresh one) decides which loaded states are swapped; their entries in the returned
+    state are placeholders until the caller places the returned (slot, loaded value) pairs, in the
+    live store's mirrors (:meth:`~swap_core.runtime.store.StateStore.load_in_place`) or in ``store``'s
+    new host memory (:meth:`~swap_core.runtime.store.StateStore.add`). Nothing of the live optimizer
+    is modified: the caller commits the result.
     """
     if "state" not in state_dict or "param_groups" not in state_dict:
         raise StateDictMismatchError(
@@ -35,7 +39,6 @@ def load_swapped_state(
     saved_groups = state_dict["param_groups"]
     id_map = _saved_id_map(groups, saved_groups)
     staged = TrackedState()
-    store.attach(staged)
     new: list[tuple[SwapSlot, StateSource]] = []
     for saved_id, saved_state in state_dict["state"].items():
         if saved_id not in id_map:
@@ -56,9 +59,8 @@ def load_swapped_state(
         for key, value in saved_state.items():
             # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
             entry[key] = _stage_value(store, new, param, saved_group, key, value, expected.get(key), saved_id)
-    store.add(new, order)
     new_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
-    return new_groups, staged
+    return new_groups, staged, new
 
 
 def saved_param_ids(

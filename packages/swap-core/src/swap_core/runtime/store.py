@@ -18,6 +18,7 @@ import torch
 from ..adapters.base import StateInit
 from ..backends.host_memory import HostMemoryMode, pinned_size
 from ..backends.protocol import DeviceBackend, Stream
+from ..backends.storage_spans import StorageSpans
 from ..errors import HostMemoryError
 from .dtensor import local_tensor, shard_layout, wrap_local
 from .packed import PackedHost
@@ -147,6 +148,43 @@ class StateStore:
         transition((slot for slot, _ in new), SlotState.PENDING, SlotState.HOST)
         self.version += 1
 
+    def load_in_place(
+        self, new: Sequence[tuple[SwapSlot, StateSource]], state: Mapping[torch.Tensor, dict[str, Any]]
+    ) -> bool:
+        """Write loaded values into the current host mirrors when ``new`` has exactly the current slots.
+
+        Every slot must match one of ``new`` in parameter, key, shape, dtype, strides and shard
+        layout, and no other slot may exist; then each source is copied into its live mirror (a source
+        that *is* the mirror, as when DCP loaded into it, is left as it is) and the mirrors are
+        published in ``state``: no host memory is allocated. Returns ``False`` with nothing changed
+        otherwise (the caller builds a new layout).
+        """
+        current = {(id(slot.param), slot.key): slot for slots in self.slots.values() for slot in slots.values()}
+        if len(current) != len(new):
+            return False
+        pairs: list[tuple[SwapSlot, StateSource]] = []
+        for loaded, source in new:
+            live = current.get((id(loaded.param), loaded.key))
+            if live is None or not _same_place(live, loaded):
+                return False
+            pairs.append((live, source))
+        host_buffers = StorageSpans(live.host_mirror for live, _ in pairs)
+        fills: list[tuple[SwapSlot, StateSource]] = []
+        for live, source in pairs:
+            if isinstance(source, torch.Tensor):
+                local = local_tensor(source)
+                if _is_view_of(local, live.host_mirror):
+                    continue
+                if local in host_buffers:
+                    source = local.clone()  # another state's mirror (a permuted state dict): read before any write
+            fills.append((live, source))
+        for live, source in fills:
+            self._fill(live.host_mirror, source)
+        self._finish_fills()
+        for live, _ in pairs:
+            state[live.param][live.key] = live.host_value
+        return True
+
     def remove(self, params: Iterable[torch.Tensor]) -> None:
         """Forget the slots of ``params`` (their entries in ``state`` were reset or replaced); call :meth:`reorder`
         or :meth:`add` next to re-pack the host buffers."""
@@ -256,6 +294,27 @@ class StateStore:
                     local = local_tensor(value)
                     total += local.numel() * local.element_size()
         return total
+
+
+def _same_place(live: SwapSlot, loaded: SwapSlot) -> bool:
+    """Whether a loaded state fits the live slot's host mirror exactly (no re-layout needed)."""
+    return (
+        live.shape == loaded.shape
+        and live.dtype == loaded.dtype
+        and live.stride == loaded.stride
+        and live.layout == loaded.layout
+    )
+
+
+def _is_view_of(local: torch.Tensor, mirror: torch.Tensor) -> bool:
+    """Whether ``local`` is ``mirror``'s very memory (same start, shape, strides and dtype)."""
+    return (
+        local.device == mirror.device
+        and local.data_ptr() == mirror.data_ptr()
+        and local.shape == mirror.shape
+        and local.stride() == mirror.stride()
+        and local.dtype == mirror.dtype
+    )
 
 
 def _gib(nbytes: int) -> str:

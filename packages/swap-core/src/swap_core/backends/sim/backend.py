@@ -211,7 +211,7 @@ class SimBackend:
             self._warn_caching_once()
             mode = "caching"
         record = self._registry.register(tensor, MemoryKind.HOST)
-        record.pinned_bytes = pinned_size(numel * dtype.itemsize, mode)
+        self._registry.pin(record, pinned_size(numel * dtype.itemsize, mode))
         return tensor
 
     def pinned_bytes(self, buffer: torch.Tensor) -> int:
@@ -221,7 +221,11 @@ class SimBackend:
 
     def host_pinned_bytes(self) -> int:
         """Pinned host bytes of every live :meth:`empty_host` buffer (rounding included): the process-wide figure."""
-        return sum(record.pinned_bytes for record in self._registry.records.values())
+        return self._registry.pinned_bytes
+
+    def max_host_pinned_bytes(self) -> int:
+        """Peak of :meth:`host_pinned_bytes` since construction or :meth:`reset_peak_memory_stats`."""
+        return self._registry.peak_pinned_bytes
 
     def available_host_bytes(self) -> int | None:
         """The real host's available memory, or ``host_bytes`` less the live pinned buffers when one was given."""
@@ -305,6 +309,7 @@ class SimBackend:
         return self._registry.peak_bytes
 
     def reset_peak_memory_stats(self) -> None:
+        """Start the device and the pinned-host peaks afresh from what is allocated now."""
         self._registry.reset_peak()
 
     # -- streams and events --------------------------------------------------

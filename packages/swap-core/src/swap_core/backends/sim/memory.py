@@ -114,6 +114,9 @@ class MemoryRegistry:
         self._on_forget = on_forget
         self.allocated_bytes = 0
         self.peak_bytes = 0
+        self.pinned_bytes = 0
+        """Host bytes a real device would have pinned for the live host buffers (rounding included)."""
+        self.peak_pinned_bytes = 0
 
     def lookup(self, key: int) -> StorageRecord | None:
         """The record of a storage, ``None`` for a plain CPU storage."""
@@ -146,17 +149,26 @@ class MemoryRegistry:
         self.allocated_bytes -= record.counted_bytes
         record.counted_bytes = 0
 
+    def pin(self, record: StorageRecord, nbytes: int) -> None:
+        """Account ``nbytes`` of pinned host memory behind ``record``'s (host) storage."""
+        record.pinned_bytes = nbytes
+        self.pinned_bytes += nbytes
+        self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.allocated_bytes
+        self.peak_pinned_bytes = self.pinned_bytes
 
     def _forget(self, key: int, record: StorageRecord) -> None:
         """Finalizer of the registering tensor: its storage is gone, or is about to be untracked."""
         if self.records.get(key) is record:
             del self.records[key]
             self.uncount(record)
+            self.pinned_bytes -= record.pinned_bytes
             self._on_forget(key)
 
     def _drop(self, record: StorageRecord) -> None:
         self.uncount(record)
+        self.pinned_bytes -= record.pinned_bytes
         if record.finalizer is not None:
             record.finalizer.detach()
