@@ -14,14 +14,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from swap_ckpt import (
     AppState,
     CheckpointFileError,
+    CheckpointMismatchError,
+    LiveMemory,
     host_snapshot,
-    live_storages,
     load_checkpoint,
     needs_state_init,
 )
 from swap_ckpt.flat_state import is_flat_optimizer_state, nest_flat_optimizer_state
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
-from swap_core.sim import SimBackend
+from swap_core.sim import MemoryKind, SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 
 pytestmark = [pytest.mark.sim_only, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -149,27 +150,130 @@ def test_flattened_optimizer_state_nests_by_its_own_keys() -> None:
         nest_flat_optimizer_state({**flat, "state.9.weight.exp_avg": torch.zeros(1)}, optimizers)
 
 
-def test_state_dict_holds_host_copies_not_the_live_host_mirrors() -> None:
-    """The async-save mechanism: what DCP reads is a copy, so later steps cannot change a pending save."""
+def _swapped_adamw(steps: int) -> tuple[torch.nn.Module, SwapOptimizer, SimBackend]:
     model = build_layers()
     optimizer = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), CONFIG)
     assert isinstance(optimizer, SwapOptimizer) and isinstance(optimizer.backend, SimBackend)
-    _train(model, [optimizer], 0, 1)
-    saved = AppState(model, optimizer).state_dict()["optim"]
-    expected = host_snapshot(saved)
-    live = {id(value) for state in optimizer.state.values() for value in state.values()}
-    live_storages = {
-        value.untyped_storage().data_ptr()
+    _train(model, [optimizer], 0, steps)
+    return model, optimizer, optimizer.backend
+
+
+def _mirror_storages(optimizer: SwapOptimizer) -> dict[tuple[int, str], int]:
+    """(parameter index, key) -> storage address of each swapped state's host mirror."""
+    assert isinstance(optimizer.backend, SimBackend)
+    index = {id(param): i for i, param in enumerate(optimizer.param_groups[0]["params"])}
+    mirrors = {
+        (index[id(param)], key): value.untyped_storage().data_ptr()
+        for param, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and optimizer.backend.memory_kind(value) is MemoryKind.HOST
+    }
+    assert mirrors, "nothing is swapped"
+    return mirrors
+
+
+def _optimizer_tensor_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (what a full private copy of it holds)."""
+    return sum(
+        value.numel() * value.element_size()
         for state in optimizer.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor)
-    }
-    for fqn, state in saved["state"].items():
-        for key, value in state.items():
-            assert id(value) not in live, f"{fqn}.{key} is the live state object"
-            assert value.untyped_storage().data_ptr() not in live_storages, f"{fqn}.{key} shares live storage"
-    _train(model, [optimizer], 1, 2)
-    assert_state_dicts_equal(expected, saved, "state dict after two more steps")
+    )
+
+
+def test_a_save_reads_the_live_host_mirrors_in_place() -> None:
+    """No host copy for a save: the state dict DCP writes holds the host mirrors themselves."""
+    model, optimizer, sim = _swapped_adamw(1)
+    app = AppState(model, optimizer)
+    saved = app.state_dict()["optim"]
+    assert app.private_host_bytes == 0
+    mirrors = _mirror_storages(optimizer)
+    swapped = [v for state in saved["state"].values() for v in state.values() if sim.memory_kind(v) is MemoryKind.HOST]
+    assert len(swapped) == len(mirrors), "a swapped state was saved from a copy"
+    assert {value.untyped_storage().data_ptr() for value in swapped} == set(mirrors.values())
+
+
+def test_an_async_save_holds_exactly_dcps_one_copy_and_later_steps_cannot_reach_it(tmp_path: Path) -> None:
+    """``dcp.async_save`` stages the mirrors before it returns: one copy (DCP's), none of ours."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    def optimizer_storages(state_dict: dict[str, Any]) -> dict[int, int]:
+        """Storage address -> bytes of every tensor of an optimizer state dict's ``state``."""
+        return {
+            value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
+            for state in state_dict["state"].values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        }
+
+    class CountingStager(DefaultStager):
+        staged_from: dict[int, int] = {}
+        staged_bytes = 0
+
+        def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+            self.staged_from = optimizer_storages(state_dict["app"]["optim"])
+            staged = super().stage(state_dict, **kwargs)
+            self.staged_bytes = sum(optimizer_storages(staged["app"]["optim"]).values())
+            return staged
+
+    model, optimizer, _ = _swapped_adamw(2)
+    expected = local_snapshot(model, optimizer)
+    app = AppState(model, optimizer)
+    live = optimizer_storages({"state": optimizer.state})
+    stager = CountingStager(StagingOptions(False, False, False, False))
+    future = dcp.async_save({"app": app}, checkpoint_id=tmp_path, async_stager=stager)
+    assert stager.staged_from == live, "DCP staged from a copy of ours, not from the live state"
+    assert stager.staged_bytes == sum(live.values()), "DCP's stage is not exactly one copy of the state"
+    assert app.private_host_bytes == 0
+    _train(model, [optimizer], 2, 2)  # steps while the save is still being written
+    future.result()
+    stager.close()
+    resumed_model, resumed = _swapped_adamw(0)[:2]
+    load_checkpoint({"app": AppState(resumed_model, resumed)}, tmp_path)
+    _assert_equal([expected], [local_snapshot(resumed_model, resumed)], "the async save")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["private", "in_place"])
+def test_a_checked_load_holds_one_private_copy_or_none(tmp_path: Path, in_place: bool) -> None:
+    """``load_checkpoint`` reads into private host tensors (exactly the state's bytes), or into the mirrors.
+
+    Either way the optimizer copies into its live host mirrors (no second host layout) and resumes bitwise.
+    """
+    model, optimizer, _ = _swapped_adamw(2)
+    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=tmp_path)
+    expected = local_snapshot(model, optimizer)
+    _train(model, [optimizer], 2, 1)
+    resumed_model, resumed, sim = _swapped_adamw(1)  # a run with state of its own, to be replaced
+    mirrors = _mirror_storages(resumed)
+    app = AppState(resumed_model, resumed)
+    sim.reset_peak_memory_stats()
+    pinned = sim.host_pinned_bytes()
+    load_checkpoint({"app": app}, tmp_path, in_place=in_place)
+    assert app.private_host_bytes == (0 if in_place else _optimizer_tensor_bytes(resumed))
+    assert sim.max_host_pinned_bytes() == pinned, "the load built a second host layout"
+    assert _mirror_storages(resumed) == mirrors, "the host mirrors moved"
+    _assert_equal([expected], [local_snapshot(resumed_model, resumed)], "after the load")
+    uninterrupted_model, uninterrupted, _ = _swapped_adamw(2)
+    _train(uninterrupted_model, [uninterrupted], 2, 2)
+    _train(resumed_model, [resumed], 2, 2)
+    want, got = local_snapshot(uninterrupted_model, uninterrupted), local_snapshot(resumed_model, resumed)
+    _assert_equal([want], [got], "two steps after the load")
+
+
+def test_a_checkpoint_of_another_dtype_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    """DCP would cast it silently while writing into the state; ``load_checkpoint`` names it instead."""
+    model, optimizer, _ = _swapped_adamw(1)
+    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=tmp_path)
+    bf16_model = build_layers().to(torch.bfloat16)
+    bf16 = swap_optimizer(torch.optim.AdamW(bf16_model.parameters(), lr=1e-2), CONFIG)
+    for param in bf16_model.parameters():
+        param.grad = torch.ones_like(param)
+    bf16.step()
+    before = local_snapshot(bf16_model, bf16)
+    with pytest.raises(CheckpointMismatchError, match=r"tensors of another dtype.*0\.weight \(torch.float32 in the"):
+        load_checkpoint({"app": AppState(bf16_model, bf16)}, tmp_path, in_place=True)
+    _assert_equal([before], [local_snapshot(bf16_model, bf16)], "after the refused load")
 
 
 def test_snapshot_with_optimizers_copies_only_what_shares_live_storage() -> None:
@@ -184,11 +288,11 @@ def test_snapshot_with_optimizers_copies_only_what_shares_live_storage() -> None
     saved["state"][first] = {**saved["state"][first], "exp_avg": fresh, "view": live_view}
     snapshot = host_snapshot(saved, [optimizer])
     assert snapshot["state"][first]["exp_avg"] is fresh
-    live = live_storages([optimizer])
+    live = LiveMemory([optimizer])
+    assert live_view in live and fresh not in live
     for fqn, state in snapshot["state"].items():
         for key, value in state.items():
-            if value is not fresh:
-                assert (value.device, value.untyped_storage().data_ptr()) not in live, f"{fqn}.{key} is live"
+            assert value not in live, f"{fqn}.{key} is live"
     assert torch.equal(snapshot["state"][first]["view"], live_view)
     # The tensor learning rate is a live hyper-parameter (schedulers fill it in place): copied too.
     assert snapshot["param_groups"][0]["lr"] is not optimizer.param_groups[0]["lr"]
@@ -197,7 +301,8 @@ def test_snapshot_with_optimizers_copies_only_what_shares_live_storage() -> None
     assert host_snapshot(saved)["state"][first]["exp_avg"] is not fresh
 
 
-def test_truncated_checkpoint_names_the_file_and_leaves_state_untouched(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["private", "in_place"])
+def test_truncated_checkpoint_names_the_file_and_leaves_state_untouched(tmp_path: Path, in_place: bool) -> None:
     model = build_layers()
     optimizer = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), CONFIG)
     _train(model, [optimizer], 0, 2)
@@ -207,7 +312,7 @@ def test_truncated_checkpoint_names_the_file_and_leaves_state_untouched(tmp_path
     (data_file,) = tmp_path.glob("*.distcp")
     data_file.write_bytes(data_file.read_bytes()[:-1])
     with pytest.raises(CheckpointFileError, match=rf"Checkpoint file {data_file} is truncated: \d+ bytes"):
-        load_checkpoint({"app": AppState(model, optimizer)}, tmp_path)
+        load_checkpoint({"app": AppState(model, optimizer)}, tmp_path, in_place=in_place)
     after = local_snapshot(model, optimizer)
     assert_state_dicts_equal(before["optim"], after["optim"], "optimizer after a truncated checkpoint")
     for fqn, tensor in before["model"].items():

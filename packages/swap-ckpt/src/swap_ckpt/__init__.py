@@ -6,7 +6,7 @@ from .__about__ import __version__
 from .app_state import AppState
 from .errors import CheckpointFileError, CheckpointMismatchError, StateInitDivergenceError
 from .flat_state import is_flat_optimizer_state, nest_flat_optimizer_state
-from .host_snapshot import host_copy, host_snapshot, live_storages
+from .host_snapshot import LiveMemory, host_copy, host_snapshot, private_destinations, private_host_bytes
 from .init_guard import check_uniform_state_init, initialize_swapped_states, needs_state_init
 from .loading import load_checkpoint
 from .planner import StrictLoadPlanner
@@ -17,6 +17,7 @@ __all__ = [
     "CheckedFileSystemReader",
     "CheckpointFileError",
     "CheckpointMismatchError",
+    "LiveMemory",
     "StateInitDivergenceError",
     "StrictLoadPlanner",
     "__version__",
@@ -25,8 +26,9 @@ __all__ = [
     "host_snapshot",
     "initialize_swapped_states",
     "is_flat_optimizer_state",
-    "live_storages",
     "load_checkpoint",
     "needs_state_init",
     "nest_flat_optimizer_state",
+    "private_destinations",
+    "private_host_bytes",
 ]
