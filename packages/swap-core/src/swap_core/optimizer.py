@@ -558,7 +558,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._follow_edits(ordered)
         state_dict = self.adapter.import_state_dict(state_dict)
         store = self._new_store(self._swap_keys())
-        groups, state, loaded = load_swapped_state(self, store, state_dict)
+        groups, state, loaded = load_swapped_state(self.param_groups, self.adapter, store, state_dict)
         if self._store.load_in_place(loaded, state):
             # The loaded layout is the live one (a resume): the mirrors took the values, nothing was allocated.
             store = self._store

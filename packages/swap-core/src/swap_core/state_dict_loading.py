@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .adapters.base import StateInit
+from .adapters.base import StateInit, StateSwapAdapter
 from .errors import StateDictMismatchError
 from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.slots import SwapSlot, layout_stride
 from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
 
-if TYPE_CHECKING:
-    from .optimizer import SwapOptimizer
-
 __all__ = ["load_swapped_state", "saved_param_ids"]
 
 
 def load_swapped_state(
-    optimizer: SwapOptimizer, store: StateStore, state_dict: Mapping[str, Any]
+    param_groups: Sequence[Mapping[str, Any]],
+    adapter: StateSwapAdapter,
+    store: StateStore,
+    state_dict: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], TrackedState, list[tuple[SwapSlot, StateSource]]]:
-    """New param groups and state for ``optimizer``, checked, and the swapped states still to place.
+    """New param groups and state for the optimizer of ``param_groups``, checked by its ``adapter``,
+    and the swapped states still to place.
 
     ``store`` (a fresh one) decides which loaded states are swapped; their entries in the returned
     state are placeholders until the caller places the returned (slot, loaded value) pairs, in the
@@ -35,7 +36,7 @@ def load_swapped_state(
         raise StateDictMismatchError(
             f"Not an optimizer state dict: expected keys 'state' and 'param_groups', got {sorted(state_dict)}"
         )
-    groups = optimizer.param_groups
+    groups = param_groups
     saved_groups = state_dict["param_groups"]
     id_map = _saved_id_map(groups, saved_groups)
     staged = TrackedState()
@@ -49,12 +50,12 @@ def load_swapped_state(
         # The options the loaded group will have: the checkpoint's, the live group's where it has none.
         loaded_group = {**group, **saved_group, "params": group["params"]}
         if saved_state:
-            problem = optimizer.adapter.state_mismatch(param, loaded_group, saved_state)
+            problem = adapter.state_mismatch(param, loaded_group, saved_state)
             if problem is not None:
                 raise StateDictMismatchError(
                     f"Loaded state dict: the state of parameter {saved_id!r} {problem}; nothing was loaded"
                 )
-        expected = optimizer.adapter.initial_state(param, group)
+        expected = adapter.initial_state(param, group)
         entry = staged[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
         for key, value in saved_state.items():
             # Casting follows the *saved* group's options (fused, capturable), as torch's load does.

@@ -23,7 +23,7 @@ run on every rank of the shard group in the same order: ``state_dict()`` and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,7 @@ from swap_core.runtime.dtensor import local_tensor, shard_layout, wrap_local
 from swap_core.state_dict_loading import saved_param_ids
 
 from .rows import as_bytes, chunk_rows, padded_rows
-
-if TYPE_CHECKING:
-    from .distributed import ShardGroup
+from .shard_group import ShardGroup
 
 __all__ = ["MOMENTUM", "gather_owner_momentum", "scatter_owner_momentum"]
 
