@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from swap_core.backends.storage_spans import StorageSpans
+from swap_core.backends import StorageSpans
 
 from .torch_compat import tree_leaves, tree_map_only
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from swap_core.backends.tensor_layout import is_dense
+from swap_core.backends import is_dense
 
 __all__ = ["offset_free"]
 

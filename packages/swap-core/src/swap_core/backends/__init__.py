@@ -1,5 +1,12 @@
-"""Device backends: the only code that touches streams, events, copies and device memory."""
+"""Device backends: the only code that touches streams, events, copies and device memory.
+
+Also public, for sibling packages that reason about where tensors' bytes live:
+:class:`~swap_core.backends.storage_spans.StorageSpans` and
+:func:`~swap_core.backends.tensor_layout.is_dense`.
+"""
 
 from .protocol import DeviceBackend, Event, Stream
+from .storage_spans import StorageSpans
+from .tensor_layout import is_dense
 
-__all__ = ["DeviceBackend", "Event", "Stream"]
+__all__ = ["DeviceBackend", "Event", "StorageSpans", "Stream", "is_dense"]
