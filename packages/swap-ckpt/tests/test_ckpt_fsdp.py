@@ -62,9 +62,9 @@ def _first_world(rank: int, world_size: int, directory: Path) -> None:
     # An async save, then steps at once: the checkpoint must still be the state at save time.
     # Its own process group: the background writer's collectives must not interleave with training's.
     checkpoint_group = dist.new_group(backend="gloo")
-    pending = dcp.async_save(
-        {"app": AppState(model, optimizer)}, checkpoint_id=directory / "async", process_group=checkpoint_group
-    )
+    app = AppState(model, optimizer)
+    pending = dcp.async_save({"app": app}, checkpoint_id=directory / "async", process_group=checkpoint_group)
+    assert app.private_host_bytes == 0, "the async save made a copy of its own beside DCP's staging copy"
     train(model, optimizer, FIRST, SECOND, rank)
     pending.result()
     torch.save({"at_save": at_save, "final": local_snapshot(model, optimizer)}, directory / f"expected_{rank}.pt")
@@ -82,9 +82,12 @@ def _save_within_device_bound(
     sim = _sim(optimizer)
     stats = optimizer.stats  # type: ignore[attr-defined]
     sim.reset_peak_memory_stats()
-    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=checkpoint)
+    app = AppState(model, optimizer)
+    dcp.save({"app": app}, checkpoint_id=checkpoint)
     # Saving holds only the (tiny) resident states on the device: nothing swapped comes back.
     assert sim.max_memory_allocated() == stats.resident_state_device_bytes, (rank, sim.max_memory_allocated())
+    # And no host copy: DCP read the host mirrors (DTensor aliases of them) in place.
+    assert app.private_host_bytes == 0 and sim.max_host_pinned_bytes() == sim.host_pinned_bytes(), rank
     assert 0 < stats.resident_state_device_bytes < stats.peak_state_device_bytes, stats
 
 
