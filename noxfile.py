@@ -1,6 +1,7 @@
 """The one task runner of the swap monorepo.
 
-``nox`` runs lint, typecheck, tests (one session per package), integration and docs.
+``nox`` runs lint, typecheck, tests (one session per package), integration, docs, build (wheels and
+sdists, checked) and install_matrix (fresh environments installing subsets of the built wheels).
 ``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py);
 ``nox -l`` lists every session.
 Arguments after ``--`` reach the tool, e.g. ``nox -s "tests(package='swap-core')" -- --backend cuda``.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 from pathlib import Path
 
 import nox
@@ -30,12 +32,14 @@ MYPY = "mypy==2.4.1"
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
 DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
 PLOT_TOOLS = ("matplotlib",)  # examples/train_gpt.py writes PNG plots
+RELEASE_TOOLS = ("build", "twine", "packaging")
+DIST_DIR = ROOT / "dist"
 
 CORE_PACKAGE = "swap-core"
 LINT_TARGETS = ("packages", "integration-tests", "examples", "tools", "noxfile.py", "conftest.py")
 
 nox.needs_version = ">=2024.3.2"  # nox.options.reuse_venv, CommandFailed.return_code
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "docs"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "docs", "build", "install_matrix"]
 nox.options.reuse_venv = "yes"  # local speed; CI runs a clean clone, so its sessions start fresh
 
 
@@ -53,6 +57,19 @@ def discover_packages() -> list[str]:
 
 
 PACKAGES = discover_packages()
+
+INSTALL_MATRIX = [
+    combo
+    for combo in (
+        ("swap-core",),
+        ("swap-core", "swap-adam"),
+        ("swap-core", "swap-muon"),
+        ("swap-core", "swap-adam", "swap-ckpt"),
+        tuple(PACKAGES),
+    )
+    if set(combo) <= set(PACKAGES)
+]
+"""What users install together (``pip install swap-core swap-adam``): each set gets a fresh environment."""
 
 
 def install_torch(session: nox.Session) -> None:
@@ -129,6 +146,45 @@ def docs(session: nox.Session) -> None:
     session.install(*DOCS_TOOLS)
     site_dir = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site_dir), env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+def build_distributions(session: nox.Session, *, wheel_only: bool = False) -> list[Path]:
+    """Build every package into dist/ (afresh) with ``python -m build``; the wheels built."""
+    session.install(*RELEASE_TOOLS)
+    shutil.rmtree(DIST_DIR, ignore_errors=True)
+    for name in PACKAGES:
+        session.run(
+            "python", "-m", "build", *(["--wheel"] if wheel_only else []), "--outdir", str(DIST_DIR), f"packages/{name}"
+        )
+    return sorted(DIST_DIR.glob("*.whl"))
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheel and sdist of every package into dist/, ``twine check --strict``, and tools/check_release.py
+    (versions match the CHANGELOGs, wheel requirements match the imports, sibling pins admit the siblings)."""
+    build_distributions(session)
+    session.run("twine", "check", "--strict", *sorted(str(path) for path in DIST_DIR.iterdir()))
+    session.run("python", "tools/check_release.py", str(DIST_DIR))
+
+
+@nox.session
+@nox.parametrize("combo", [",".join(combo) for combo in INSTALL_MATRIX], ids=["+".join(c) for c in INSTALL_MATRIX])
+def install_matrix(session: nox.Session, combo: str) -> None:
+    """A fresh environment with torch and some of the built wheels (never editable), smoke-tested.
+
+    Uses dist/'s wheels when ``build`` made them in this run, else builds them.
+    """
+    names = combo.split(",")
+    wheels = {path.name.split("-")[0]: path for path in DIST_DIR.glob("*.whl")}
+    if not all(name.replace("-", "_") in wheels for name in names):
+        wheels = {path.name.split("-")[0]: path for path in build_distributions(session, wheel_only=True)}
+    install_torch(session)
+    chosen = [str(wheels[name.replace("-", "_")]) for name in names]
+    session.install(*chosen)  # their dependencies (rich) from the index, torch as installed above
+    session.install("--force-reinstall", "--no-deps", *chosen)  # a reused environment gets these very wheels
+    session.run("python", "-m", "pip", "check")
+    session.run("python", "tools/smoke_install.py", *names)
 
 
 @nox.session

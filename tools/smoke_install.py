@@ -1,0 +1,113 @@
+"""Smoke-test an installation of swap packages from their wheels: what is installed works, the rest is named.
+
+Run in a fresh environment holding torch and some of the wheels (``nox -s install_matrix`` does)::
+
+    python tools/smoke_install.py swap-core swap-adam
+
+with the distributions that were installed. It checks that
+
+- exactly those swap distributions are installed, from wheels (not editable);
+- the adapter entry points of the installed families (and only those) are found, and each installed
+  family swaps one step on the simulator bitwise equal to the plain optimizer;
+- an optimizer of a family that is not installed raises ``AdapterNotFoundError`` naming the package to
+  install (``pip install swap-adam``), before anything changes;
+- ``swap-bench --help`` runs (swap-bench ships in swap-core), and swap-ckpt imports only when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+FAMILIES = {
+    # distribution -> (its entry-point name, the torch.optim class of its family)
+    "swap-core": ("rmsprop", "RMSprop"),
+    "swap-adam": ("adam", "AdamW"),
+    "swap-muon": ("muon", "Muon"),
+}
+OTHERS = ("swap-ckpt",)
+
+
+def check(installed: list[str]) -> list[str]:
+    from swap_core import SwapConfig, swap_optimizer
+    from swap_core.errors import AdapterNotFoundError
+
+    problems: list[str] = []
+    present = {dist.metadata["Name"] for dist in importlib.metadata.distributions() if dist.metadata["Name"]}
+    swap_dists = sorted(name for name in present if name.startswith("swap-") or name.startswith("swap_"))
+    if sorted(installed) != swap_dists:
+        problems.append(f"installed swap distributions are {swap_dists}, expected {sorted(installed)}")
+    for name in sorted(set(installed) & set(swap_dists)):
+        dist = importlib.metadata.distribution(name)
+        direct_url = dist.read_text("direct_url.json")
+        if direct_url and json.loads(direct_url).get("dir_info", {}).get("editable"):
+            problems.append(f"{name} is an editable install, not a wheel")
+    entry_points = {entry.name for entry in importlib.metadata.entry_points(group="swap_core.adapters")}
+    expected = {FAMILIES[name][0] for name in installed if name in FAMILIES}
+    if entry_points != expected:
+        problems.append(f"adapter entry points {sorted(entry_points)}, expected {sorted(expected)}")
+    for name, (_, optimizer_name) in FAMILIES.items():
+        params = [torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))]
+        plain_params = [torch.nn.Parameter(params[0].detach().clone())]
+        optimizer_cls = getattr(torch.optim, optimizer_name)
+        if name not in installed:
+            before = params[0].detach().clone()
+            try:
+                swap_optimizer(optimizer_cls(params, lr=1e-2), SwapConfig(backend="sim"))
+            except AdapterNotFoundError as error:
+                if f"pip install {name}" not in str(error):
+                    problems.append(f"{optimizer_name} without {name}: the error does not name it: {error}")
+            else:
+                problems.append(f"{optimizer_name} was swapped although {name} is not installed")
+            if not torch.equal(before, params[0]):
+                problems.append(f"{optimizer_name}: the refused wrap changed the parameter")
+            continue
+        try:
+            swapped = swap_optimizer(optimizer_cls(params, lr=1e-2), SwapConfig(backend="sim", min_numel=16))
+        except AdapterNotFoundError as error:
+            problems.append(f"{optimizer_name} is not swapped although {name} is installed: {error}")
+            continue
+        plain = optimizer_cls(plain_params, lr=1e-2)
+        for optimizer, group in ((swapped, params), (plain, plain_params)):
+            group[0].grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+            optimizer.step()
+        if not torch.equal(params[0].detach(), plain_params[0].detach()):
+            problems.append(f"{optimizer_name} through {name}: the swapped step differs from the plain one")
+        if swapped.stats.h2d_bytes == 0:
+            problems.append(f"{optimizer_name} through {name}: nothing was swapped")
+    for name in OTHERS:
+        module = name.replace("-", "_")
+        if (importlib.util.find_spec(module) is not None) != (name in installed):
+            problems.append(f"{module} importable: {importlib.util.find_spec(module) is not None}, installed: {name}")
+    script = shutil.which("swap-bench", path=str(Path(sys.executable).parent))
+    if script is None:
+        problems.append(f"no swap-bench script beside {sys.executable}")
+        return problems
+    bench = subprocess.run([script, "--help"], capture_output=True, text=True, check=False)
+    if bench.returncode != 0:
+        problems.append(f"swap-bench --help exited {bench.returncode}: {bench.stderr.strip()[-300:]}")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("installed", nargs="+", help="the swap distributions that were installed")
+    args = parser.parse_args()
+    problems = check(args.installed)
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"ok: {' + '.join(args.installed)} installed from wheels work, the missing families are named")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
