@@ -158,6 +158,21 @@ def test_missing_torch_npu_says_how_to_install_it(monkeypatch: pytest.MonkeyPatc
     assert "torch_npu must be installed" in message and "pip install swap-core[npu]" in message
 
 
+def test_every_list_of_backend_names_is_the_accelerator_backends_device_types(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from swap_core.config import BACKEND_NAMES
+    from swap_core.testing.pytest_plugin import BACKEND_CHOICES
+
+    assert ("auto", "sim", *SUPPORTED_DEVICE_TYPES) == BACKEND_NAMES
+    assert ("sim", *SUPPORTED_DEVICE_TYPES) == BACKEND_CHOICES
+    assert not accelerator.accelerator_available("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not accelerator.accelerator_available("cuda")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    assert not accelerator.accelerator_available("npu")
+
+
 def test_device_defaults_to_the_current_device(fake_backend: AcceleratorBackend) -> None:
     assert isinstance(fake_backend, DeviceBackend)
     assert fake_backend.name == "cuda"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from .backends.accelerator import SUPPORTED_DEVICE_TYPES
 from .backends.host_memory import HOST_MEMORY_MODES, HostMemoryMode
 from .backends.protocol import DeviceBackend
 
 __all__ = ["BACKEND_NAMES", "BackendSpec", "SwapConfig"]
 
-BACKEND_NAMES = ("auto", "sim", "cuda", "npu", "xpu")
+BACKEND_NAMES = ("auto", "sim", *SUPPORTED_DEVICE_TYPES)
 
 BackendSpec = str | DeviceBackend
 

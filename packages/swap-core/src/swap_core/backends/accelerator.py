@@ -22,7 +22,7 @@ from swap_core.backends.host_registration import HostRegistrar, host_registrar, 
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import spans_whole_storage
 
-__all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend"]
+__all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "accelerator_available"]
 
 SUPPORTED_DEVICE_TYPES: tuple[str, ...] = ("cuda", "npu", "xpu")
 """Device types :class:`AcceleratorBackend` drives."""
@@ -260,6 +260,15 @@ class AcceleratorBackend:
     def compute_scope(self) -> contextlib.AbstractContextManager[None]:
         """Real devices need no per-op checking."""
         return contextlib.nullcontext()
+
+
+def accelerator_available(device_type: str) -> bool:
+    """Whether :class:`AcceleratorBackend` can drive a ``device_type`` device here (never raises)."""
+    try:
+        _load_device_module(device_type)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _load_device_module(device_type: str) -> _DeviceModule:

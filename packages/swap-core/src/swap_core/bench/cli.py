@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from ..backends.protocol import DeviceBackend
+from ..config import BACKEND_NAMES
 from ..errors import AdapterNotFoundError, UnsupportedOptimizerError
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .host_allocator import keep_freed_host_memory
@@ -111,7 +112,7 @@ def _run_comparison(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swap-bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a smoke run for CI")
-    parser.add_argument("--backend", default="auto", choices=("auto", "sim", "cuda", "npu", "xpu"))
+    parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=sorted(OPTIMIZERS))
     parser.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the simulator's 'device')")

@@ -3,24 +3,24 @@
 Load it with ``pytest_plugins = ("swap_core.testing.pytest_plugin",)`` in a root
 ``conftest.py`` (the swap monorepo does). It adds:
 
-* the option ``--backend sim|cuda|npu`` (default ``sim``, the simulated accelerator
+* the option ``--backend sim|cuda|npu|xpu`` (default ``sim``, the simulated accelerator
   over CPU memory, so every suite runs on CPU-only machines);
-* the session fixture ``backend_name``: the chosen name; with ``cuda`` or ``npu`` a
-  test that uses it is skipped when that accelerator is not available;
+* the session fixture ``backend_name``: the chosen name; with an accelerator a test
+  that uses it is skipped when that accelerator is not available;
 * the fixture ``swap_backend_factory``: a callable ``(mode="lazy", seed=0)`` that
   builds a fresh :class:`~swap_core.backends.protocol.DeviceBackend` of the chosen
   kind (``mode`` and ``seed`` only steer the simulator);
 * the marker ``sim_only`` for tests of the simulator itself (races, poison, fault
-  injection), skipped with ``--backend cuda|npu``.
+  injection), skipped with any other ``--backend``.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Protocol
 
 import pytest
-import torch
+
+from swap_core.backends.accelerator import SUPPORTED_DEVICE_TYPES, accelerator_available
 
 if TYPE_CHECKING:
     from swap_core.backends.protocol import DeviceBackend
@@ -35,15 +35,11 @@ __all__ = [
     "swap_backend_factory",
 ]
 
-BACKEND_CHOICES = ("sim", "cuda", "npu")
-"""Values accepted by ``--backend``."""
+BACKEND_CHOICES = ("sim", *SUPPORTED_DEVICE_TYPES)
+"""Values accepted by ``--backend``: the simulator and every device type the accelerator backend drives."""
 
 SIM_ONLY_MARKER = "sim_only"
 """Marker of tests that only make sense on the simulated accelerator."""
-
-# Out-of-tree device types and the extension that registers them with torch
-# (normally autoloaded through torch's ``torch.backends`` entry point).
-_DEVICE_EXTENSIONS = {"npu": "torch_npu"}
 
 
 class BackendFactory(Protocol):
@@ -61,14 +57,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store",
         choices=BACKEND_CHOICES,
         default="sim",
-        help="device backend the swap tests run on: sim (simulated accelerator on CPU, default), cuda or npu",
+        help=f"device backend the swap tests run on: sim (simulated accelerator on CPU, default) or one of "
+        f"{', '.join(SUPPORTED_DEVICE_TYPES)}",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{SIM_ONLY_MARKER}: tests the simulated accelerator itself; skipped with --backend cuda|npu",
+        f"{SIM_ONLY_MARKER}: tests the simulated accelerator itself; skipped with any other --backend",
     )
 
 
@@ -84,24 +81,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker(SIM_ONLY_MARKER) is not None:
             item.add_marker(skip_sim_only)
-
-
-def accelerator_available(device_type: str) -> bool:
-    """Whether torch can use a ``device_type`` device here (never raises)."""
-    extension = _DEVICE_EXTENSIONS.get(device_type)
-    if extension is not None:
-        try:
-            importlib.import_module(extension)
-        except ImportError:
-            return False
-    try:
-        device_module = torch.get_device_module(device_type)
-    except (RuntimeError, ValueError, AttributeError):
-        return False
-    is_available = getattr(device_module, "is_available", None)
-    if not callable(is_available):
-        return False
-    return bool(is_available())
 
 
 @pytest.fixture(scope="session")
