@@ -108,14 +108,8 @@ def test_a_host_too_small_is_refused_before_anything_is_allocated_or_changed() -
     assert all(not optimizer.state[param] for param in params), "the refused step left states behind"
     # Once the host has room, the same optimizer steps exactly as if the refused step never happened.
     sim.host_bytes = None
-    for step in range(3):
-        _grads(params, step)
-        _grads(reference_params, step)
-        optimizer.step()
-        reference.step()
-    for index, (want, got) in enumerate(zip(reference_params, params, strict=True)):
-        assert_bitwise_equal(want, got, f"parameter {index}")
-    assert_state_dicts_equal(reference.state_dict(), optimizer.state_dict(), "after the refused step")
+    _step_both(optimizer, reference, params, reference_params, range(3))
+    _assert_pair_equal(optimizer, reference, params, reference_params, "after the refused step")
 
 
 def test_existing_states_that_do_not_fit_are_refused_at_wrap_time_with_the_plain_optimizer_untouched() -> None:
@@ -147,10 +141,7 @@ def test_a_checkpoint_the_host_cannot_take_through_the_plain_optimizer_changes_n
     optimizer = swap_optimizer(
         torch.optim.RMSprop(params, lr=1e-2), SwapConfig(backend=sim, min_numel=16, packed=packed)
     )
-    for step in range(2):
-        for group, opt in ((params, optimizer), (reference_params, reference)):
-            _grads(group, step)
-            opt.step()
+    _step_both(optimizer, reference, params, reference_params, range(2))
     checkpoint = reference.state_dict()
     optimizer.optimizer.load_state_dict(copy.deepcopy(checkpoint))
     loaded = optimizer.optimizer.state
@@ -161,13 +152,7 @@ def test_a_checkpoint_the_host_cannot_take_through_the_plain_optimizer_changes_n
     assert optimizer.optimizer.state is loaded, "the loaded states were replaced although nothing fitted"
     sim.host_bytes = None
     reference.load_state_dict(copy.deepcopy(checkpoint))
-    for step in range(2, 4):
-        for group, opt in ((params, optimizer), (reference_params, reference)):
-            _grads(group, step)
-            opt.step()
-    for index, (want, got) in enumerate(zip(reference_params, params, strict=True)):
-        assert_bitwise_equal(want, got, f"parameter {index}")
-    assert_state_dicts_equal(reference.state_dict(), optimizer.state_dict(), "after the refused adoption")
+    _continue_and_compare(optimizer, reference, params, reference_params, "after the refused adoption")
 
 
 class _CountedCopies(torch.overrides.TorchFunctionMode):
@@ -216,11 +201,15 @@ def _trained_pair(
     return pair
 
 
-def _continue_and_compare(optimizer: Any, reference: Any, params: Any, reference_params: Any, what: str) -> None:
-    _step_both(optimizer, reference, params, reference_params, range(2, 4))
+def _assert_pair_equal(optimizer: Any, reference: Any, params: Any, reference_params: Any, what: str) -> None:
     for index, (want, got) in enumerate(zip(reference_params, params, strict=True)):
         assert_bitwise_equal(want, got, f"parameter {index} {what}")
     assert_state_dicts_equal(reference.state_dict(), optimizer.state_dict(), what)
+
+
+def _continue_and_compare(optimizer: Any, reference: Any, params: Any, reference_params: Any, what: str) -> None:
+    _step_both(optimizer, reference, params, reference_params, range(2, 4))
+    _assert_pair_equal(optimizer, reference, params, reference_params, what)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
