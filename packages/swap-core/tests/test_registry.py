@@ -341,11 +341,12 @@ def test_not_found_for_muon_names_swap_muon() -> None:
         registry.resolve(torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)]))
 
 
-def test_not_found_for_unknown_family_suggests_registration() -> None:
+def test_not_found_for_an_optimizer_without_a_family_names_swap_generic() -> None:
     registry = AdapterRegistry(entry_points=list)
     with pytest.raises(AdapterNotFoundError) as caught:
         registry.resolve(torch.optim.SGD(_params(), lr=0.1))
     message = str(caught.value)
-    assert "pip install" not in message
+    assert "Install swap-generic, which swaps any per-parameter optimizer" in message
+    assert "pip install swap-generic" in message
     assert "swap_core.register_adapter(SGD, factory, name=...)" in message
     assert "SwapOptimizer(opt, config, adapter_factory)" in message

@@ -234,15 +234,20 @@ class SwapOptimizer(torch.optim.Optimizer):
                 ordered = self._ordered_params()
                 self._follow_edits(ordered)
                 with_grad = self._collect_grads(ordered)
-                if not self._states_complete():
+                if self.adapter.lazy_states:
+                    self._pack_fresh_states(ordered)  # those a failed step left unpacked
+                elif not self._states_complete():
                     self._create_missing_states(self._params_with_grad())
                 plan = self._current_plan()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
                 self._every_param_ready = self._all_states_exist and with_grad == self._plan_params
-                if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
-                    self._scheduler.run(
-                        plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace
-                    )
+                with self.adapter.step_scope():
+                    if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
+                        self._scheduler.run(
+                            plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace
+                        )
+                if self.adapter.lazy_states:
+                    self._pack_fresh_states(ordered)
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
             self.trace = trace
@@ -271,6 +276,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self.optimizer.__dict__.pop(name, None)
 
     def _update_batch(self, batch: PlannedBatch) -> None:
+        fresh: list[torch.Tensor] = []
         with self._device_states_in_place(batch):
             for group_index, segment_params, segment_states, start in batch.segments:
                 segment_grads = self._step_grads[start : start + len(segment_params)]
@@ -278,10 +284,36 @@ class SwapOptimizer(torch.optim.Optimizer):
                     params, states = segment_params, cast("list[dict[str, Any]]", segment_states)
                     grads = cast("list[torch.Tensor]", segment_grads)
                 else:
-                    params, grads, states = _with_grad(segment_params, segment_grads, segment_states)
+                    params, grads, states = _with_grad(segment_params, segment_grads, segment_states, self._fresh_state)
+                    if self.adapter.lazy_states:
+                        fresh += [param for param, state in zip(params, states, strict=True) if not state]
                 if params:
                     group = self.param_groups[group_index]
                     self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
+        if fresh:
+            # States the update just created on the device go to host memory now, before the next batch
+            # creates its own (one batch of fresh states on the device at a time).
+            self._offload_existing_states(fresh, unpacked=True)
+            self._plan = None  # the batches are bound to the entries of state that existed before
+
+    def _fresh_state(self, param: torch.Tensor) -> dict[str, Any]:
+        """For an adapter whose update creates states: the entry of ``param``, or an empty dict when it has none.
+
+        The entry is not created here: the optimizer's own step creates it if it keeps a state (plain
+        SGD keeps none, and its ``state`` stays empty as torch's does).
+        """
+        if not self.adapter.lazy_states:
+            raise AssertionError("states of parameters with a gradient exist before the pipeline")
+        entry: dict[str, Any] = self.state.get(param, {})
+        return entry
+
+    def _pack_fresh_states(self, ordered: list[torch.Tensor]) -> None:
+        """Pack the host buffers of states created during a step (given buffers of their own meanwhile)."""
+        assert self._store is not None and self._scheduler is not None
+        if self._store.has_unpacked:
+            self._scheduler.synchronize()  # the re-layout reads every host mirror: offloads must be done
+            self._store.pack(ordered)
+            self._plan = None
 
     @contextlib.contextmanager
     def _device_states_in_place(self, batch: PlannedBatch) -> Iterator[None]:
@@ -294,9 +326,15 @@ class SwapOptimizer(torch.optim.Optimizer):
             state[slot.key] = view
         try:
             yield
-        finally:
+        except BaseException:
             for state, slot in zip(batch.slot_states, batch.slots, strict=True):
                 state[slot.key] = slot.host_value
+            raise
+        for state, slot, view in zip(batch.slot_states, batch.slots, batch.update_views, strict=True):
+            value = state.get(slot.key)
+            if value is not view:  # the update assigned a new tensor instead of writing the state in place
+                _take_replaced_state(slot, view, value)
+            state[slot.key] = slot.host_value
 
     def _collect_grads(self, ordered: list[torch.Tensor]) -> int:
         """Read every parameter's gradient once, check it is dense and declare it to the backend.
@@ -368,6 +406,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             # Before any batch updates anything: a state the update cannot use fails now, not part-way.
             self._check_states(params, SwapStateError)
             costs = self.adapter.partition_costs([param for _, param in params])
+            if costs is None and self.adapter.lazy_states:
+                costs = self._costs_with_fresh_states([param for _, param in params])
             self._plan = build_plan(
                 self._store,
                 self.backend,
@@ -394,6 +434,27 @@ class SwapOptimizer(torch.optim.Optimizer):
                 state for batch in self._plan.batches for _, _, states, _ in batch.segments for state in states
             )
         return self._plan
+
+    def _costs_with_fresh_states(self, params: list[torch.Tensor]) -> list[int] | None:
+        """Batching costs while some states are still to be created by the update, or ``None`` once none is.
+
+        A state not created yet has no size: the parameter's own bytes stand in for it, so that the
+        first step spreads the fresh states over ``swap_times`` batches as later steps spread them.
+        """
+        assert self._store is not None
+        if all(self.state.get(param) for param in params):
+            return None
+        costs = []
+        for param in params:
+            slots = self._store.slots.get(param)
+            if slots:
+                costs.append(sum(slot.nbytes for slot in slots.values()))
+            elif self.state.get(param):
+                costs.append(0)  # a state without swapped tensors
+            else:
+                local = local_tensor(param)
+                costs.append(local.numel() * local.element_size())
+        return costs
 
     def _states_complete(self) -> bool:
         """Whether every parameter already has its state (then no per-parameter scan is needed)."""
@@ -525,6 +586,12 @@ class SwapOptimizer(torch.optim.Optimizer):
                 "initialize_state() needs a swap backend; with CPU parameters the wrapped optimizer runs "
                 "unswapped and creates its states on its first step"
             )
+        if self.adapter.lazy_states:
+            raise UnsupportedOptimizerError(
+                f"initialize_state() cannot create the states of {type(self.optimizer).__name__}: its adapter "
+                f"({type(self.adapter).__name__}) runs the optimizer's own step, which creates them; call step() "
+                "once instead (or load a checkpoint of this optimizer)"
+            )
         self.synchronize()
         self._follow_edits(self._ordered_params())
         self._create_missing_states(
@@ -649,11 +716,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         for param in self._ordered_params():
             self.backend.adopt(local_tensor(param))
 
-    def _swap_keys(self) -> tuple[str, ...]:
+    def _swap_keys(self) -> tuple[str, ...] | None:
         declared = self.adapter.swappable_keys
         requested = self.config.state_keys
-        if requested is None:
-            return declared
+        if requested is None or declared is None:  # declared None: the family swaps any key
+            return requested if requested is not None else declared
         unknown = [key for key in requested if key not in declared]
         if unknown:
             raise ValueError(
@@ -661,7 +728,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             )
         return requested
 
-    def _new_store(self, swap_keys: tuple[str, ...]) -> StateStore:
+    def _new_store(self, swap_keys: tuple[str, ...] | None) -> StateStore:
         assert self.backend is not None and self._scheduler is not None
         return StateStore(
             self.backend,
@@ -675,11 +742,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
 
     def _offload_existing_states(
-        self, params: Iterable[torch.Tensor], order: Sequence[torch.Tensor] | None = None
+        self, params: Iterable[torch.Tensor], order: Sequence[torch.Tensor] | None = None, *, unpacked: bool = False
     ) -> int:
         """Existing state tensors of ``params`` move to host memory now; returns how many.
 
-        They were created or loaded before wrapping, or put in place of a host mirror by hand.
+        They were created or loaded before wrapping, put in place of a host mirror by hand, or created
+        by the update of a step (``unpacked``: packed later, see :meth:`StateStore.add`).
         """
         assert self._store is not None
         new: list[tuple[SwapSlot, StateSource]] = []
@@ -687,23 +755,42 @@ class SwapOptimizer(torch.optim.Optimizer):
             for key, value in self.state.get(param, _NO_ENTRY).items():
                 if isinstance(value, torch.Tensor) and self._store.should_swap(key, value):
                     new.append((_slot_like(value, key, value.dtype, param=param), value))
-        self._store.add(new, self._ordered_params() if order is None else order)
+        self._store.add(new, self._ordered_params() if order is None else order, unpacked=unpacked)
         return len(new)
 
 
 def _with_grad(
-    params: list[torch.Tensor], grads: list[torch.Tensor | None], states: list[dict[str, Any] | None]
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    states: list[dict[str, Any] | None],
+    missing_state: Callable[[torch.Tensor], dict[str, Any]],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]:
-    """The parameters of a batch segment that have a gradient this step, with their gradients and states."""
+    """The parameters of a batch segment that have a gradient this step, with their gradients and states
+    (``missing_state(param)`` for one that had no entry when the plan was made)."""
     kept_params, kept_grads, kept_states = [], [], []
     for param, grad, state in zip(params, grads, states, strict=True):
         if grad is None:
             continue
-        assert state is not None, "states of parameters with a gradient exist before the pipeline"
+        if state is None:
+            state = missing_state(param)
         kept_params.append(param)
         kept_grads.append(grad)
         kept_states.append(state)
     return kept_params, kept_grads, kept_states
+
+
+def _take_replaced_state(slot: SwapSlot, view: torch.Tensor, value: object) -> None:
+    """The update put a new tensor where a swapped state's device copy was: the copy takes its values."""
+    local = local_tensor(value) if isinstance(value, torch.Tensor) else None
+    device_copy = local_tensor(view)
+    if local is None or local.shape != device_copy.shape or local.dtype != device_copy.dtype:
+        found = f"a {tuple(local.shape)} {local.dtype} tensor" if local is not None else repr(value)
+        raise SwapStateError(
+            f"The update replaced swapped state {slot.key!r} ({tuple(device_copy.shape)} {device_copy.dtype}) by "
+            f"{found}: a swapped state must keep its shape and dtype. Keep this key on the device "
+            "(SwapConfig(state_keys=...) without it)"
+        )
+    device_copy.copy_(local)
 
 
 _NO_ENTRY: dict[str, Any] = {}

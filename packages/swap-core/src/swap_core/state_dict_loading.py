@@ -55,7 +55,8 @@ def load_swapped_state(
                 raise StateDictMismatchError(
                     f"Loaded state dict: the state of parameter {saved_id!r} {problem}; nothing was loaded"
                 )
-        expected = adapter.initial_state(param, group)
+        # An adapter whose update creates states knows no fresh state (nothing is held whole on one rank).
+        expected = {} if adapter.lazy_states else adapter.initial_state(param, group)
         entry = staged[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
         for key, value in saved_state.items():
             # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
@@ -114,8 +115,9 @@ def _stage_value(
     if not isinstance(value, torch.Tensor):
         return value
     if key != "step" and param.is_floating_point():
-        # A state the adapter holds whole on this rank (not sharded like its DTensor parameter).
-        whole = isinstance(expected, StateInit) and not expected.shard_like_param
+        # A state the adapter holds whole on this rank (not sharded like its DTensor parameter), or any state
+        # of a plain parameter: its own shape (Adafactor's row and column statistics are not the parameter's).
+        whole = shard_layout(param) is None or (isinstance(expected, StateInit) and not expected.shard_like_param)
         template = StateInit(tuple(value.shape), param.dtype, shard_like_param=not whole)
         if store.should_swap(key, template):
             host_value = local_tensor(value).to(dtype=param.dtype)

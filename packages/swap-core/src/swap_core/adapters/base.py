@@ -9,6 +9,7 @@ moves; the adapter never sees a host tensor or a stream.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -69,8 +70,17 @@ class UpdateBatch:
 class StateSwapAdapter(abc.ABC):
     """Family policy for one wrapped optimizer instance."""
 
-    swappable_keys: ClassVar[tuple[str, ...]] = ()
-    """State keys this family can swap (e.g. ``("exp_avg", "exp_avg_sq")``)."""
+    swappable_keys: ClassVar[tuple[str, ...] | None] = ()
+    """State keys this family can swap (e.g. ``("exp_avg", "exp_avg_sq")``); ``None``: any key whose value
+    is a large enough dense tensor on the device (an adapter that runs an optimizer it does not know)."""
+
+    lazy_states: ClassVar[bool] = False
+    """Whether :meth:`update` creates missing states itself, on the device, as torch's own ``step`` does.
+
+    An adapter that runs the wrapped optimizer's own ``step`` cannot say what a fresh state looks like
+    before that step made it. The runtime then never calls :meth:`initial_state`: a parameter without
+    state is updated with an empty state dict, and right after its batch the states the update created
+    move to host memory, so no more than one batch of fresh states is on the device at once."""
 
     reproduces: ClassVar[tuple[type[torch.optim.Optimizer], ...]] = ()
     """torch classes whose update :meth:`update` reproduces with torch's functional kernel. An optimizer
@@ -94,6 +104,14 @@ class StateSwapAdapter(abc.ABC):
     def update(self, batch: UpdateBatch) -> None:
         """Update ``batch.params`` in place with the wrapped optimizer's own math."""
 
+    def step_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around every batch update of one ``step()`` (after the step hooks and the closure ran).
+
+        For what must hold across the batches of a step, e.g. param group values every batch starts
+        from. Default: nothing.
+        """
+        return contextlib.nullcontext()
+
     def state_mismatch(self, param: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
         """Why the non-empty ``state`` of ``param`` is not what this family's update reads, or ``None``.
 
@@ -102,7 +120,10 @@ class StateSwapAdapter(abc.ABC):
         :meth:`initial_state`: every key it creates must be there and no other, and a state it creates
         as a :class:`StateInit` must have that shape. An empty state is never asked about (the step
         creates it afresh, as torch does).
+        An adapter with :attr:`lazy_states` knows no fresh state: the default accepts any state then.
         """
+        if self.lazy_states:
+            return None
         expected = self.initial_state(param, dict(group))
         missing = [key for key in expected if key not in state]
         if missing:

@@ -49,6 +49,9 @@ _FAMILY_PACKAGES: tuple[tuple[str, str], ...] = (
 )
 """``torch.optim`` class name -> the package whose plugin adapts that family (used in error hints)."""
 
+GENERIC_PACKAGE = "swap-generic"
+"""The package whose plugin serves every optimizer without a dedicated family (named in error hints)."""
+
 EntryPointSource = Callable[[], Iterable[importlib.metadata.EntryPoint]]
 
 
@@ -248,7 +251,10 @@ def _how_to_get_adapter(optimizer_cls: type[torch.optim.Optimizer]) -> str:
         family = getattr(torch.optim, torch_name, None)
         if isinstance(family, type) and issubclass(optimizer_cls, family):
             return f"Install the adapter package for this family: pip install {package}. Or: {explicit}"
-    return explicit
+    return (
+        f"Install {GENERIC_PACKAGE}, which swaps any per-parameter optimizer by running its own step batch by "
+        f"batch: pip install {GENERIC_PACKAGE}. Or: {explicit}"
+    )
 
 
 def _qualname(obj: object) -> str:

@@ -21,7 +21,7 @@ from ..backends.tensor_layout import is_dense
 from ..errors import SwapStateError
 from .dtensor import ShardLayout
 
-__all__ = ["SlotState", "SwapSlot", "is_swappable", "layout_stride", "transition"]
+__all__ = ["SlotState", "SwapSlot", "is_swappable", "is_swappable_dtype", "layout_stride", "transition"]
 
 
 class SlotState(enum.Enum):
@@ -117,15 +117,24 @@ def transition(slots: Iterable[SwapSlot], source: SlotState, target: SlotState) 
 def is_swappable(tensor: torch.Tensor, *, min_numel: int) -> bool:
     """Whether an existing state tensor can move to host memory between steps.
 
-    It must be floating point, strided and dense (its elements fill exactly ``numel`` places in some
-    dimension order: contiguous, channels-last, transposed...; host mirrors and staging views keep
-    that order, see :func:`layout_stride`), and large enough that moving it pays off. It need not own
+    Its dtype must be one a host buffer packs (:func:`is_swappable_dtype`), it must be strided and dense
+    (its elements fill exactly ``numel`` places in some dimension order: contiguous, channels-last,
+    transposed...; host mirrors and staging views keep that order, see :func:`layout_stride`), not a
+    0-dim scalar, and large enough that moving it pays off. It need not own
     its storage: its values are copied into swap's own host buffer and the entry in ``state`` is
     replaced, so a view into a loaded checkpoint's storage swaps too.
     """
-    if not tensor.is_floating_point() or tensor.layout is not torch.strided:
-        return False
+    if not is_swappable_dtype(tensor.dtype) or tensor.layout is not torch.strided or tensor.dim() == 0:
+        return False  # a 0-dim tensor is a scalar (a step counter, which torch may keep on the CPU)
     return is_dense(tensor) and tensor.numel() >= max(min_numel, 1)
+
+
+def is_swappable_dtype(dtype: torch.dtype) -> bool:
+    """Any real dtype: floating point moments, and integer or byte states (8-bit optimizers' quantized codes).
+
+    Complex states stay on the device (packing splits buffers by real dtype only).
+    """
+    return not dtype.is_complex
 
 
 def layout_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:

@@ -22,7 +22,7 @@ from ..backends.storage_spans import StorageSpans
 from ..errors import HostMemoryError
 from .dtensor import local_tensor, shard_layout, wrap_local
 from .packed import PackedHost
-from .slots import SlotState, SwapSlot, is_swappable, layout_stride, transition
+from .slots import SlotState, SwapSlot, is_swappable, is_swappable_dtype, layout_stride, transition
 
 __all__ = ["StateSource", "StateStore"]
 
@@ -38,7 +38,7 @@ class StateStore:
         backend: DeviceBackend,
         state: Mapping[torch.Tensor, dict[str, Any]],
         *,
-        swap_keys: Sequence[str],
+        swap_keys: Sequence[str] | None,
         min_numel: int,
         offload_fraction: float,
         packed: bool,
@@ -50,7 +50,8 @@ class StateStore:
         self._tensor_pinned_bytes: dict[SwapSlot, int] = {}
         """Per-tensor mode: the pinned bytes of each slot's own host buffer."""
         self._state = state
-        self._swap_keys = frozenset(swap_keys)
+        self._swap_keys = frozenset(swap_keys) if swap_keys is not None else None
+        """``None``: every key (an adapter that knows no key names in advance)."""
         self._min_numel = min_numel
         self._offload_fraction = offload_fraction
         self._packed = packed
@@ -69,15 +70,15 @@ class StateStore:
     # -- deciding -------------------------------------------------------------
     def should_swap(self, key: str, template: torch.Tensor | StateInit) -> bool:
         """Whether a new state goes to host memory; books it against ``offload_fraction``."""
-        if key not in self._swap_keys:
+        if self._swap_keys is not None and key not in self._swap_keys:
             return False
         if isinstance(template, StateInit):
-            floating = template.dtype.is_floating_point
-            eligible = floating and _numel(template.shape) >= max(self._min_numel, 1)
+            eligible = is_swappable_dtype(template.dtype) and _numel(template.shape) >= max(self._min_numel, 1)
             nbytes = _numel(template.shape) * template.dtype.itemsize
         else:
-            eligible = is_swappable(local_tensor(template), min_numel=self._min_numel)
-            nbytes = template.numel() * template.element_size()
+            local = local_tensor(template)
+            eligible = is_swappable(local, min_numel=self._min_numel)
+            nbytes = local.numel() * local.element_size()
         if not eligible:
             return False
         self._candidate_bytes += nbytes
@@ -124,15 +125,22 @@ class StateStore:
             raise
 
     # -- creating -------------------------------------------------------------
-    def add(self, new: Sequence[tuple[SwapSlot, StateSource]], order: Sequence[torch.Tensor]) -> None:
-        """Give new slots host mirrors filled from their sources; ``order`` is the parameter order."""
+    def add(
+        self, new: Sequence[tuple[SwapSlot, StateSource]], order: Sequence[torch.Tensor], *, unpacked: bool = False
+    ) -> None:
+        """Give new slots host mirrors filled from their sources; ``order`` is the parameter order.
+
+        ``unpacked``: in packed mode, give them host buffers of their own for now (no re-layout of the
+        other slots, whose host mirrors may be in use by a running step); :meth:`pack` packs them.
+        """
         if not new:
             return
         for slot, _ in new:
             self.slots.setdefault(slot.param, {})[slot.key] = slot
         # Device sources were written on the compute stream; the copy stream must see those writes.
         self._backend.wait_event(self._copy_stream, self._backend.record_event(self._backend.compute_stream()))
-        if self._packed:
+        if self._packed and not unpacked:
+            self._tensor_pinned_bytes.clear()  # the re-layout packs every slot, those added unpacked too
             self._relayout(order, dict((slot, source) for slot, source in new))
         else:
             self._check_host_capacity(sum(pinned_size(slot.nbytes, self._host_memory) for slot, _ in new))
@@ -185,6 +193,16 @@ class StateStore:
             state[live.param][live.key] = live.host_value
         return True
 
+    @property
+    def has_unpacked(self) -> bool:
+        """Whether a packed store holds slots added ``unpacked`` (a plan must not be built before :meth:`pack`)."""
+        return self._packed and bool(self._tensor_pinned_bytes)
+
+    def pack(self, order: Sequence[torch.Tensor]) -> None:
+        """Pack the slots added ``unpacked`` with the others; every offload must have finished."""
+        if self.has_unpacked:
+            self.reorder(order)
+
     def remove(self, params: Iterable[torch.Tensor]) -> None:
         """Forget the slots of ``params`` (their entries in ``state`` were reset or replaced); call :meth:`reorder`
         or :meth:`add` next to re-pack the host buffers."""
@@ -200,6 +218,7 @@ class StateStore:
         kept = set(order)
         self.remove([param for param in self.slots if param not in kept])
         if self._packed:
+            self._tensor_pinned_bytes.clear()
             self._relayout(order, {})
             self._finish_fills()
         self.version += 1
@@ -272,15 +291,14 @@ class StateStore:
     @property
     def host_pinned_bytes(self) -> int:
         """Host bytes pinned for the swapped states, rounding included."""
-        if self.packed_host is not None:
-            return self.packed_host.pinned_bytes
-        return sum(self._tensor_pinned_bytes.values())
+        packed = self.packed_host.pinned_bytes if self.packed_host is not None else 0
+        return packed + sum(self._tensor_pinned_bytes.values())
 
     @property
     def host_bytes(self) -> int:
-        if self.packed_host is not None:
-            return self.packed_host.nbytes
-        return sum(slot.nbytes for slots in self.slots.values() for slot in slots.values())
+        if self.packed_host is None:
+            return sum(slot.nbytes for slots in self.slots.values() for slot in slots.values())
+        return self.packed_host.nbytes + sum(slot.nbytes for slot in self._tensor_pinned_bytes)
 
     def resident_bytes(self, params: Iterable[torch.Tensor]) -> int:
         """Device bytes of state tensors of ``params`` that are not swapped."""

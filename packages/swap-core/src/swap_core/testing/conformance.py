@@ -25,7 +25,6 @@ from ..adapters.base import UpdateBatch
 from ..backends.protocol import DeviceBackend
 from ..optimizer import SwapOptimizer
 from ..runtime.packed import ARENA_ALIGN_BYTES, SLOT_ALIGN_BYTES, align_up
-from ..wrap import swap_optimizer
 from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .habits import HABIT_CHECKS
 from .pairs import (
@@ -36,6 +35,7 @@ from .pairs import (
     make_pair,
     swap_config,
     through_torch_save,
+    wrap_case,
 )
 
 __all__ = [
@@ -140,7 +140,7 @@ def check_checkpoint_round_trip(case: ConformanceCase, backend: DeviceBackend, *
     pair.assert_equal(f"{case.name} swapped -> plain")
     # plain checkpoint -> fresh swapped optimizer
     fresh = case.make_optimizer(make_groups(case, pair.swapped_params))
-    restored_swapped = swap_optimizer(fresh, swap_config(case, backend, **overrides))
+    restored_swapped = wrap_case(case, fresh, swap_config(case, backend, **overrides))
     restored_swapped.load_state_dict(through_torch_save(pair.reference.state_dict()))
     pair.swapped = restored_swapped
     pair.step_both(2)

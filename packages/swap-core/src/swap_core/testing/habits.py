@@ -26,7 +26,6 @@ import torch
 from ..backends.protocol import DeviceBackend
 from ..errors import StateDictMismatchError, SwapStateError, UnsupportedOptimizerError
 from ..runtime.tracked_state import TrackedState
-from ..wrap import swap_optimizer
 from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .pairs import (
     ConformanceCase,
@@ -37,6 +36,7 @@ from .pairs import (
     set_grads,
     swap_config,
     through_torch_save,
+    wrap_case,
 )
 
 __all__ = [
@@ -111,7 +111,7 @@ def check_duplicate_params(case: ConformanceCase, backend: DeviceBackend) -> Non
     _expect_error(
         UnsupportedOptimizerError,
         r"appears twice in param group 0 \(positions 0 and \d+\)",
-        lambda: swap_optimizer(plain, swap_config(case, backend)),
+        lambda: wrap_case(case, plain, swap_config(case, backend)),
     )
     _assert_never_wrapped(plain, f"{case.name}: refused for a repeated parameter")
     pair = make_pair(case, backend)
@@ -130,7 +130,7 @@ def check_duplicate_params(case: ConformanceCase, backend: DeviceBackend) -> Non
 def check_empty_optimizer(case: ConformanceCase, backend: DeviceBackend) -> None:
     """An optimizer without parameters steps nothing (torch's no-op), then takes a group like torch's."""
     reference = case.make_optimizer([{"params": []}])
-    swapped = swap_optimizer(case.make_optimizer([{"params": []}]), swap_config(case, backend))
+    swapped = wrap_case(case, case.make_optimizer([{"params": []}]), swap_config(case, backend))
     reference.step()
     swapped.step()
     assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), f"{case.name}: empty optimizer")
@@ -219,7 +219,7 @@ def check_hooks_and_schedulers_before_wrapping(case: ConformanceCase, backend: D
     schedulers = [
         torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) for optimizer in (reference, plain)
     ]
-    pair = Pair(case, reference_params, reference, swapped_params, swap_optimizer(plain, swap_config(case, backend)))
+    pair = Pair(case, reference_params, reference, swapped_params, wrap_case(case, plain, swap_config(case, backend)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -239,7 +239,7 @@ def check_second_wrapper(case: ConformanceCase, backend: DeviceBackend) -> None:
     _expect_error(
         UnsupportedOptimizerError,
         "already wrapped by a SwapOptimizer",
-        lambda: swap_optimizer(pair.swapped.optimizer, swap_config(case, backend)),
+        lambda: wrap_case(case, pair.swapped.optimizer, swap_config(case, backend)),
     )
     pair.step_both(2)
     pair.assert_equal(f"{case.name}: after a refused second wrapper")
@@ -266,13 +266,15 @@ def check_bypassed_overrides(case: ConformanceCase, backend: DeviceBackend) -> N
     _expect_error(
         UnsupportedOptimizerError,
         f"Clamping{family.__name__} overrides step",
-        lambda: swap_optimizer(plain, swap_config(case, backend)),
+        lambda: wrap_case(case, plain, swap_config(case, backend)),
     )
     _assert_never_wrapped(plain, f"{case.name}: refused for an overridden step")
     patched = case.make_optimizer(make_groups(case, make_params(case, backend.device)))
     patched.step = functools.partial(_no_step, patched)  # type: ignore[method-assign,assignment]
     _expect_error(
-        UnsupportedOptimizerError, "step was replaced on the instance", lambda: swap_optimizer(patched, backend=backend)
+        UnsupportedOptimizerError,
+        "step was replaced on the instance",
+        lambda: wrap_case(case, patched, swap_config(case, backend)),
     )
     _assert_never_wrapped(patched, f"{case.name}: refused for a replaced step")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import AdapterFactory
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..optimizer import SwapOptimizer
@@ -31,6 +32,7 @@ __all__ = [
     "set_grads",
     "swap_config",
     "through_torch_save",
+    "wrap_case",
 ]
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -56,6 +58,9 @@ class ConformanceCase:
     """Every this many steps the first parameter gets no gradient (0: never)."""
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """``SwapConfig`` overrides (``min_numel`` defaults to 64 so that small states stay resident)."""
+    adapter_factory: AdapterFactory | None = None
+    """The adapter to wrap with (``None``: the registry's, as ``swap_optimizer`` finds it); e.g. the generic
+    adapter over Adam, to cross-check it against the dedicated one."""
 
     def __str__(self) -> str:
         return self.name
@@ -135,8 +140,15 @@ def make_pair(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -
     swapped_params = make_params(case, backend.device)
     reference = case.make_optimizer(make_groups(case, reference_params))
     plain = case.make_optimizer(make_groups(case, swapped_params))
-    swapped = swap_optimizer(plain, swap_config(case, backend, **overrides))
+    swapped = wrap_case(case, plain, swap_config(case, backend, **overrides))
     return Pair(case, reference_params, reference, swapped_params, swapped)
+
+
+def wrap_case(case: ConformanceCase, optimizer: torch.optim.Optimizer, config: SwapConfig) -> SwapOptimizer:
+    """``optimizer`` swapped with the case's adapter (the registry's unless the case names one)."""
+    if case.adapter_factory is None:
+        return swap_optimizer(optimizer, config)
+    return SwapOptimizer(optimizer, config, case.adapter_factory)
 
 
 def through_torch_save(state_dict: dict[str, Any]) -> dict[str, Any]:
