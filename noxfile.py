@@ -29,7 +29,7 @@ INTEGRATION_DIR = ROOT / "integration-tests"
 TORCH = os.environ.get("SWAP_TORCH_SPEC", "torch==2.13.0")
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
-TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6", "expecttest")  # expecttest: torch's OptimizerInfo database imports it
 DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
 PLOT_TOOLS = ("matplotlib",)  # examples/train_gpt.py writes PNG plots
 RELEASE_TOOLS = ("build", "twine", "packaging")
@@ -64,6 +64,7 @@ INSTALL_MATRIX = [
         ("swap-core",),
         ("swap-core", "swap-adam"),
         ("swap-core", "swap-muon"),
+        ("swap-core", "swap-generic"),
         ("swap-core", "swap-adam", "swap-ckpt"),
         tuple(PACKAGES),
     )

@@ -8,9 +8,10 @@ with the distributions that were installed. It checks that
 
 - exactly those swap distributions are installed, from wheels (not editable);
 - the adapter entry points of the installed families (and only those) are found, and each installed
-  family swaps one step on the simulator bitwise equal to the plain optimizer;
-- an optimizer of a family that is not installed raises ``AdapterNotFoundError`` naming the package to
-  install (``pip install swap-adam``), before anything changes;
+  family swaps two steps on the simulator bitwise equal to the plain optimizer;
+- an optimizer of a family that is not installed is swapped by swap-generic when that is installed
+  (bitwise too), and otherwise raises ``AdapterNotFoundError`` naming the package to install
+  (``pip install swap-adam``), before anything changes;
 - ``swap-bench --help`` runs (swap-bench ships in swap-core), and swap-ckpt imports only when installed.
 """
 
@@ -27,19 +28,19 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = {
-    # distribution -> (its entry-point name, the torch.optim class of its family)
-    "swap-core": ("rmsprop", "RMSprop"),
-    "swap-adam": ("adam", "AdamW"),
-    "swap-muon": ("muon", "Muon"),
+FAMILIES: dict[str, tuple[str, tuple[tuple[str, dict[str, float]], ...]]] = {
+    # distribution -> (its entry-point name, torch.optim classes of its family with options that keep a state)
+    "swap-core": ("rmsprop", (("RMSprop", {}),)),
+    "swap-adam": ("adam", (("AdamW", {}),)),
+    "swap-muon": ("muon", (("Muon", {}),)),
+    "swap-generic": ("generic", (("SGD", {"momentum": 0.9}), ("NAdam", {}))),
 }
+GENERIC = "swap-generic"
+"""Serves every optimizer whose dedicated family is not installed."""
 OTHERS = ("swap-ckpt",)
 
 
 def check(installed: list[str]) -> list[str]:
-    from swap_core import SwapConfig, swap_optimizer
-    from swap_core.errors import AdapterNotFoundError
-
     problems: list[str] = []
     present = {dist.metadata["Name"] for dist in importlib.metadata.distributions() if dist.metadata["Name"]}
     swap_dists = sorted(name for name in present if name.startswith("swap-") or name.startswith("swap_"))
@@ -54,35 +55,9 @@ def check(installed: list[str]) -> list[str]:
     expected = {FAMILIES[name][0] for name in installed if name in FAMILIES}
     if entry_points != expected:
         problems.append(f"adapter entry points {sorted(entry_points)}, expected {sorted(expected)}")
-    for name, (_, optimizer_name) in FAMILIES.items():
-        params = [torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))]
-        plain_params = [torch.nn.Parameter(params[0].detach().clone())]
-        optimizer_cls = getattr(torch.optim, optimizer_name)
-        if name not in installed:
-            before = params[0].detach().clone()
-            try:
-                swap_optimizer(optimizer_cls(params, lr=1e-2), SwapConfig(backend="sim"))
-            except AdapterNotFoundError as error:
-                if f"pip install {name}" not in str(error):
-                    problems.append(f"{optimizer_name} without {name}: the error does not name it: {error}")
-            else:
-                problems.append(f"{optimizer_name} was swapped although {name} is not installed")
-            if not torch.equal(before, params[0]):
-                problems.append(f"{optimizer_name}: the refused wrap changed the parameter")
-            continue
-        try:
-            swapped = swap_optimizer(optimizer_cls(params, lr=1e-2), SwapConfig(backend="sim", min_numel=16))
-        except AdapterNotFoundError as error:
-            problems.append(f"{optimizer_name} is not swapped although {name} is installed: {error}")
-            continue
-        plain = optimizer_cls(plain_params, lr=1e-2)
-        for optimizer, group in ((swapped, params), (plain, plain_params)):
-            group[0].grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
-            optimizer.step()
-        if not torch.equal(params[0].detach(), plain_params[0].detach()):
-            problems.append(f"{optimizer_name} through {name}: the swapped step differs from the plain one")
-        if swapped.stats.h2d_bytes == 0:
-            problems.append(f"{optimizer_name} through {name}: nothing was swapped")
+    for name, (_, optimizers) in FAMILIES.items():
+        for optimizer_name, options in optimizers:
+            problems += _check_family(installed, name, optimizer_name, options)
     for name in OTHERS:
         module = name.replace("-", "_")
         if (importlib.util.find_spec(module) is not None) != (name in installed):
@@ -94,6 +69,49 @@ def check(installed: list[str]) -> list[str]:
     bench = subprocess.run([script, "--help"], capture_output=True, text=True, check=False)
     if bench.returncode != 0:
         problems.append(f"swap-bench --help exited {bench.returncode}: {bench.stderr.strip()[-300:]}")
+    return problems
+
+
+def _check_family(installed: list[str], name: str, optimizer_name: str, options: dict[str, float]) -> list[str]:
+    """One optimizer of family ``name``: swapped bitwise by its package, by swap-generic, or refused naming it."""
+    from swap_core import SwapConfig, swap_optimizer
+    from swap_core.errors import AdapterNotFoundError
+
+    params = [torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))]
+    plain_params = [torch.nn.Parameter(params[0].detach().clone())]
+    optimizer_cls = getattr(torch.optim, optimizer_name)
+    served_by = name if name in installed else GENERIC if GENERIC in installed else None
+    if served_by is None:
+        before = params[0].detach().clone()
+        problems = []
+        try:
+            swap_optimizer(optimizer_cls(params, lr=1e-2, **options), SwapConfig(backend="sim"))
+        except AdapterNotFoundError as error:
+            if f"pip install {name}" not in str(error):
+                problems.append(f"{optimizer_name} without {name}: the error does not name it: {error}")
+        else:
+            problems.append(f"{optimizer_name} was swapped although neither {name} nor {GENERIC} is installed")
+        if not torch.equal(before, params[0]):
+            problems.append(f"{optimizer_name}: the refused wrap changed the parameter")
+        return problems
+    try:
+        config = SwapConfig(backend="sim", min_numel=16)
+        swapped = swap_optimizer(optimizer_cls(params, lr=1e-2, **options), config)
+    except AdapterNotFoundError as error:
+        return [f"{optimizer_name} is not swapped although {served_by} is installed: {error}"]
+    problems = []
+    adapter = type(swapped.adapter).__name__
+    if (served_by == GENERIC) != (adapter == "GenericAdapter"):
+        problems.append(f"{optimizer_name} is served by {adapter}, expected the adapter of {served_by}")
+    plain = optimizer_cls(plain_params, lr=1e-2, **options)
+    for optimizer, group in ((swapped, params), (plain, plain_params)):
+        for step in range(2):  # the first step creates the states; the second one streams them
+            group[0].grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(1 + step))
+            optimizer.step()
+    if not torch.equal(params[0].detach(), plain_params[0].detach()):
+        problems.append(f"{optimizer_name} through {served_by}: the swapped steps differ from the plain ones")
+    if swapped.stats.h2d_bytes == 0:
+        problems.append(f"{optimizer_name} through {served_by}: nothing was swapped")
     return problems
 
 

@@ -1,0 +1,220 @@
+"""The generic adapter: any per-parameter optimizer, updated batch by batch by its own ``step``.
+
+For each pipeline batch, every param group's ``"params"`` list is replaced by the batch's share of it
+(an empty list for a group with no parameter in the batch) and the optimizer's own ``step`` runs,
+below torch's hook wrapper; the original list objects are put back afterwards, whatever happens.
+The batch's swapped states sit in ``optimizer.state`` as device copies meanwhile, so the step reads
+and writes them where it would in an unswapped run: the numbers are the plain optimizer's, bitwise,
+whichever optimizer it is. States the step creates (its first step) are born on the device, one
+batch at a time, and move to host memory right after their batch.
+
+The contract: an optimizer whose step updates each parameter from its own gradient and state only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
+from swap_core.adapters.registry import AdapterRegistry
+from swap_core.errors import UnsupportedOptimizerError
+
+from .group_values import GroupValues
+from .probe import coupling_of
+from .torch_compat import step_hooks_silenced, unhooked_step
+
+__all__ = ["NOT_PER_PARAMETER", "GenericAdapter", "register"]
+
+NOT_PER_PARAMETER: Mapping[str, str] = {
+    "torch.optim.lbfgs.LBFGS": (
+        "it evaluates a closure over all parameters several times per step and keeps its own flat view of them"
+    ),
+    "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer": (
+        "its step broadcasts every rank's shard of the parameters to the others"
+    ),
+}
+"""Optimizer classes (and their subclasses) refused by name, with the reason: their step is not per-parameter."""
+
+StateSignature = dict[str, tuple[tuple[int, ...], torch.dtype] | None]
+"""Each key of a state the optimizer created, with its shape and dtype when it is a tensor."""
+
+_PLAIN_VALUES = (int, float, bool, complex, type(None))
+_PARAMS = operator.itemgetter("params")
+
+
+class GenericAdapter(StateSwapAdapter):
+    """Swaps every large tensor state of any per-parameter optimizer by running its own ``step`` per batch.
+
+    A dedicated adapter (Adam/AdamW, Muon, RMSprop) is still preferred for its family: the registry
+    resolves the nearest registered class of the optimizer's MRO, and this one is registered for
+    ``torch.optim.Optimizer`` itself.
+    """
+
+    swappable_keys = None
+    lazy_states = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        _check_per_parameter(optimizer)
+        coupling = coupling_of(optimizer)
+        if coupling is not None:
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__}'s step is not per-parameter: {coupling}. swap-generic runs the step "
+                "batch by batch, which would update such an optimizer wrongly; it needs a dedicated adapter "
+                "(swap_core.register_adapter)"
+            )
+        self._step = unhooked_step(optimizer)
+        # By identity: a tensor's == is elementwise. Weak: a parameter dropped from the model is forgotten.
+        self._signatures = WeakIdKeyDictionary()
+        self._group_values: GroupValues | None = None
+        self._stepped = False
+        for group in optimizer.param_groups:  # states made by the constructor (Adagrad's) or loaded before wrapping
+            for param in group["params"]:
+                if optimizer.state.get(param):
+                    self._signatures[param] = _signature(optimizer, param)
+
+    def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
+        raise UnsupportedOptimizerError(
+            f"GenericAdapter cannot tell what a fresh state of {type(self.optimizer).__name__} looks like: "
+            "the optimizer's own step creates it"
+        )
+
+    @contextlib.contextmanager
+    def step_scope(self) -> Iterator[None]:
+        """One ``step()``: hooks silenced for the per-batch steps, group values kept per batch.
+
+        If no batch ran the optimizer (no parameter has a gradient), its step runs once over empty
+        groups, as a plain step over parameters without gradients would (it may still write group
+        values, e.g. a step count).
+        """
+        self._group_values = GroupValues(self.optimizer)
+        self._stepped = False
+        try:
+            with step_hooks_silenced(self.optimizer):
+                yield
+                if not self._stepped:
+                    self._narrowed_step(None, [], batch_index=0)
+        finally:
+            self._group_values = None
+
+    def update(self, batch: UpdateBatch) -> None:
+        """The optimizer's own step over this group's share of the batch (every other group empty)."""
+        fresh = [param for param, state in zip(batch.params, batch.states, strict=True) if not state]
+        self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+        for param in fresh:
+            signature = _signature(self.optimizer, param)
+            if signature:  # an optimizer may keep no state for a parameter (plain SGD)
+                self._signatures[param] = signature
+
+    def state_mismatch(self, param: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
+        """Compared with the state ``param`` had when wrapped, or the one the optimizer's step created for it.
+
+        Unknown (``None``) for a parameter that had none and was never stepped: a checkpoint loaded
+        into a fresh optimizer is then taken as it is, as torch's load takes it.
+        """
+        signature: StateSignature | None = self._signatures.get(param)  # type: ignore[no-untyped-call]
+        if signature is None:
+            return None
+        missing = [key for key in signature if key not in state]
+        if missing:
+            return f"lacks {_keys(missing)}, which the update reads (it has {_keys(list(state))})"
+        unknown = [key for key in state if key not in signature]
+        if unknown:
+            return (
+                f"has {_keys(unknown)}, which {type(self.optimizer).__name__} did not create "
+                f"(its keys are {_keys(list(signature))})"
+            )
+        for key, expected in signature.items():
+            value = state[key]
+            if expected is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != expected[0]:
+                return (
+                    f"has {key!r} of shape {tuple(value.shape)}, but the optimizer created it with shape {expected[0]}"
+                )
+        return None
+
+    def _narrowed_step(self, target: dict[str, Any] | None, params: list[torch.Tensor], *, batch_index: int) -> None:
+        groups = self.optimizer.param_groups
+        originals = [group["params"] for group in groups]
+        # Copies: a step that edits its lists (refused below) must not edit the runtime's batch lists.
+        narrowed = [list(params) if group is target else [] for group in groups]
+        sizes = [len(share) for share in narrowed]
+        values = self._group_values
+        if values is not None:
+            values.before_batch()
+        try:
+            for group, share in zip(groups, narrowed, strict=True):
+                group["params"] = share
+            self._step()
+            _check_groups_kept(self.optimizer, groups, narrowed, sizes)
+        finally:
+            for group, original in zip(groups, originals, strict=True):
+                group["params"] = original
+            if self.optimizer.param_groups is not groups:
+                self.optimizer.param_groups = groups
+        self._stepped = True
+        if values is not None:
+            values.after_batch(batch_index)
+
+
+def _check_per_parameter(optimizer: torch.optim.Optimizer) -> None:
+    for cls in type(optimizer).__mro__:
+        reason = NOT_PER_PARAMETER.get(f"{cls.__module__}.{cls.__qualname__}")
+        if reason is not None:
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__} cannot be swapped batch by batch: {reason}. swap-generic runs "
+                "optimizers whose step updates each parameter from its own gradient and state only"
+            )
+
+
+def _check_groups_kept(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    narrowed: Sequence[list[torch.Tensor]],
+    sizes: list[int],
+) -> None:
+    """A step that adds, removes or re-lists parameters is not per-parameter: refuse it (nothing is kept)."""
+    current = optimizer.param_groups
+    kept = (
+        current is groups
+        and len(current) == len(narrowed)
+        and all(map(operator.is_, map(_PARAMS, current), narrowed))
+        and list(map(len, narrowed)) == sizes
+    )
+    if not kept:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__}.step changed param_groups (added, removed or replaced parameters or "
+            "groups): swap-generic runs the step batch by batch over a share of each group, which such a step "
+            "would corrupt. Edit param_groups between steps instead"
+        )
+
+
+def _signature(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> StateSignature:
+    """The keys, shapes and dtypes of the state the optimizer just created for ``param``."""
+    signature: StateSignature = {}
+    for key, value in optimizer.state.get(param, {}).items():
+        if isinstance(value, torch.Tensor):
+            signature[key] = (tuple(value.shape), value.dtype)
+        elif isinstance(value, _PLAIN_VALUES):
+            signature[key] = None
+        else:
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__} keeps state {key!r} as a {type(value).__name__}: swap-generic moves "
+                "tensor states and keeps numbers, but cannot tell where the tensors inside other objects live. "
+                "Write a dedicated adapter for this optimizer"
+            )
+    return signature
+
+
+def _keys(keys: Sequence[object]) -> str:
+    return ", ".join(repr(key) for key in keys) or "no keys"
+
+
+def register(registry: AdapterRegistry) -> None:
+    """Entry point of the ``swap_core.adapters`` group: the fallback for every ``torch.optim.Optimizer``."""
+    registry.register(torch.optim.Optimizer, GenericAdapter, name="generic")

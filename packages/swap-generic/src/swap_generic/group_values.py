@@ -1,0 +1,142 @@
+"""Param group values that a step writes: every batch starts from the values the step started from.
+
+Most optimizers only read their groups' options during ``step()``. Some write them (schedule-free
+AdamW counts steps in ``group["k"]`` and sums weights in ``group["weight_sum"]``): run once per
+batch, such a step would count one step per batch. :class:`GroupValues` remembers every non-
+``params`` value when the step begins, puts it back before each later batch, and checks that each
+batch wrote exactly what the first one wrote, so that the groups end as one plain step leaves them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+
+from swap_core.errors import UnsupportedOptimizerError
+
+from .torch_compat import tensor_version
+
+__all__ = ["GroupValues"]
+
+_ABSENT = object()
+"""A key the step deleted (or, in a snapshot, one the group did not have)."""
+
+
+class GroupValues:
+    """The non-``params`` values of every param group at the start of one step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self._groups = list(optimizer.param_groups)
+        self._start = [_values(group) for group in self._groups]
+        # Tensor values may be written in place: their start values are kept (a few scalars, e.g. a tensor lr).
+        self._start_tensors = [
+            {
+                key: (value.clone(), tensor_version(value))
+                for key, value in start.items()
+                if isinstance(value, torch.Tensor)
+            }
+            for start in self._start
+        ]
+        # The common case, nothing written, is told by identity alone: one C-level pass per group.
+        self._unchanged = [
+            (len(group), tuple(start), tuple(start.values()))
+            for group, start in zip(self._groups, self._start, strict=True)
+        ]
+        self._written: list[dict[str, Any]] | None = None
+        """What the first batch wrote, per group (tensors written in place: a copy of what they hold)."""
+
+    def before_batch(self) -> None:
+        """Put back every value the first batch wrote (nothing to do before the first one)."""
+        if not self._written:
+            return
+        for group, start, tensors, written in zip(
+            self._groups, self._start, self._start_tensors, self._written, strict=True
+        ):
+            for key in written:
+                original = start.get(key, _ABSENT)
+                if original is _ABSENT:
+                    group.pop(key, None)
+                elif key in tensors and group.get(key) is original:
+                    saved, _ = tensors[key]
+                    group[key].copy_(saved)  # the same tensor, written in place
+                else:
+                    group[key] = original
+
+    def after_batch(self, batch_index: int) -> None:
+        """Record the first batch's writes; refuse a later batch that wrote anything else."""
+        writes = list(map(self._writes, range(len(self._groups))))
+        if self._written == [] and not any(writes):
+            return  # the usual case: no batch writes any group value
+        if self._written is None:
+            self._written = [
+                {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in group.items()}
+                for group in writes
+            ]
+            if not any(self._written):
+                self._written = []  # nothing written: later batches skip every restore and compare
+            return
+        expected = self._written or [{} for _ in self._groups]
+        for index, (wrote, first) in enumerate(zip(writes, expected, strict=True)):
+            for key in sorted(set(wrote) | set(first), key=str):
+                if not _same(wrote.get(key, _ABSENT), first.get(key, _ABSENT)):
+                    raise UnsupportedOptimizerError(
+                        f"{type(self._optimizer).__name__}.step wrote param group {index}'s {key!r} as "
+                        f"{_show(first.get(key, _ABSENT))} for the first batch and as {_show(wrote.get(key, _ABSENT))} "
+                        f"for batch {batch_index}: its step is not per-parameter, so it cannot run batch by batch; "
+                        "it needs a dedicated adapter (swap_core.register_adapter)"
+                    )
+
+    def _writes(self, index: int) -> dict[str, Any]:
+        """The values group ``index`` holds now that differ from the step's start values."""
+        group, start, tensors = self._groups[index], self._start[index], self._start_tensors[index]
+        size, keys, values = self._unchanged[index]
+        untouched = len(group) == size and all(map(operator.is_, map(group.get, keys), values))
+        if untouched and all(tensor_version(group[key]) == version for key, (_, version) in tensors.items()):
+            return {}
+        writes: dict[str, Any] = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            original = start.get(key, _ABSENT)
+            if value is original:
+                if key in tensors and tensor_version(value) != tensors[key][1]:
+                    writes[key] = value  # written in place
+            elif not _same(value, original):
+                writes[key] = value
+        for key in start:
+            if key not in group:
+                writes[key] = _ABSENT
+        return writes
+
+
+def _values(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _same(first: object, second: object) -> bool:
+    """Equal values (NaN equal to NaN; tensors equal in shape, dtype and every element)."""
+    if first is second:
+        return True
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
+            return False
+        return first.dtype == second.dtype and bool(torch.equal(first, second))
+    if isinstance(first, float) and isinstance(second, float) and math.isnan(first) and math.isnan(second):
+        return True
+    if type(first) is not type(second):
+        return False
+    if isinstance(first, (tuple, list)):
+        assert isinstance(second, (tuple, list))
+        return len(first) == len(second) and all(map(_same, first, second))
+    try:
+        return bool(first == second)
+    except Exception:  # a value whose == is not a truth value (an array): unequal unless identical
+        return False
+
+
+def _show(value: object) -> str:
+    return "(no value)" if value is _ABSENT else repr(value)

@@ -1,0 +1,286 @@
+"""What the generic adapter does beyond the conformance rows: registration, hooks, group values, refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.adapters.registry import default_registry
+from swap_core.errors import UnsupportedOptimizerError
+from swap_core.sim import SimBackend
+from swap_core.testing.pairs import ConformanceCase, Pair, make_pair, make_params, set_grads
+from swap_generic import GenericAdapter
+
+CPU = torch.device("cpu")
+
+
+def _case(make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], name: str = "generic") -> ConformanceCase:
+    return ConformanceCase(name, make, skip_grad_every=0)
+
+
+DEFAULT = _case(lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9))
+
+
+def _params() -> list[torch.Tensor]:
+    return make_params(DEFAULT, CPU)
+
+
+def _set_grads(params: list[torch.Tensor], step: int) -> None:
+    set_grads(DEFAULT, params, step)
+
+
+def _config(**options: Any) -> SwapConfig:
+    return SwapConfig(backend=SimBackend(mode="random", seed=3), swap_times=3, min_numel=64, **options)
+
+
+def _pair(make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> Pair:
+    return make_pair(_case(make), SimBackend(mode="random", seed=3))
+
+
+def _step_both(pair: Pair, steps: int) -> None:
+    pair.step_both(steps)
+    pair.assert_params_equal(f"after {steps} steps")
+
+
+# -- registration --------------------------------------------------------------------
+def test_generic_serves_optimizers_without_a_dedicated_adapter() -> None:
+    for optimizer_cls in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.NAdam, torch.optim.Adafactor):
+        assert default_registry.resolve(optimizer_cls(_params(), lr=0.01)) is GenericAdapter, optimizer_cls
+
+
+def test_dedicated_adapters_win_by_mro() -> None:
+    rmsprop = swap_optimizer(torch.optim.RMSprop(_params(), lr=0.01), _config())
+    assert type(rmsprop.adapter).__name__ == "RMSpropAdapter"
+    pytest.importorskip("swap_adam")
+    adamw = swap_optimizer(torch.optim.AdamW(_params(), lr=0.01), _config())
+    assert type(adamw.adapter).__name__ == "AdamAdapter"
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.LBFGS])
+def test_optimizers_that_are_not_per_parameter_are_refused(optimizer_cls: type[torch.optim.Optimizer]) -> None:
+    optimizer = optimizer_cls(_params(), lr=0.1)
+    with pytest.raises(UnsupportedOptimizerError, match=r"LBFGS cannot be swapped batch by batch: it evaluates"):
+        swap_optimizer(optimizer, _config())
+
+
+# -- one step() is one step ------------------------------------------------------------
+class _ClampingSGD(torch.optim.SGD):
+    """A subclass whose step does something of its own and then calls the parent's (hooked) step."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.clamp_(-0.5, 0.5)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.SGD, _ClampingSGD], ids=["sgd", "subclass_calling_super"])
+def test_step_hooks_and_closure_run_once_per_step(optimizer_cls: type[torch.optim.SGD]) -> None:
+    torch.optim.SGD(_params(), lr=0.1)  # SGD.step itself is now hooked: a subclass's super().step() reaches hooks
+    params = _params()
+    swapped = swap_optimizer(optimizer_cls(params, lr=0.1, momentum=0.9), _config())
+    calls: list[str] = []
+    swapped.register_step_pre_hook(lambda *_: calls.append("pre"))
+    swapped.optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    handles = [
+        register_optimizer_step_pre_hook(lambda *_: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda *_: calls.append("global post")),
+    ]
+    try:
+        for step in range(3):
+            _set_grads(params, step)
+            swapped.step(lambda: calls.append("closure") or 0.0)
+            assert swapped.stats.batches == 3
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == ["global pre", "pre", "closure", "post", "global post"] * 3
+
+
+def test_a_step_without_any_gradient_still_runs_the_optimizer_once() -> None:
+    """Its group values advance as a plain step over parameters without gradients advances them."""
+    pair = _pair(lambda groups: _CountingSGD(groups, lr=0.1))
+    _step_both(pair, 2)
+    for optimizer in (pair.reference, pair.swapped):
+        for param in pair.reference_params + pair.swapped_params:
+            param.grad = None
+        optimizer.step()
+    assert pair.reference.param_groups[0]["k"] == pair.swapped.param_groups[0]["k"] == 3
+
+
+# -- param group values a step writes ----------------------------------------------------
+class _CountingSGD(torch.optim.Optimizer):
+    """Writes its step count into its group, as schedule-free AdamW writes ``k``, and reads it back."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr, "k": 0})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            k = group["k"] + 1
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["sum"] = torch.zeros_like(param)
+                state["sum"].add_(param.grad)
+                param.add_(state["sum"], alpha=-group["lr"] / k)
+            group["k"] = k
+        return None
+
+
+def test_group_values_written_by_the_step_end_as_after_one_plain_step() -> None:
+    pair = _pair(lambda groups: _CountingSGD(groups, lr=0.1))
+    _step_both(pair, 5)
+    assert pair.reference.param_groups[0]["k"] == pair.swapped.param_groups[0]["k"] == 5
+    assert pair.swapped.stats.batches == 3
+
+
+class _BatchDependentGroupWrite(_CountingSGD):
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            group["seen"] = len(group["params"])
+        return super().step(closure)
+
+
+def test_a_group_value_written_differently_per_batch_is_refused() -> None:
+    params = _params()
+    swapped = swap_optimizer(_BatchDependentGroupWrite(params, lr=0.1), _config())
+    _set_grads(params, 0)
+    with pytest.raises(UnsupportedOptimizerError, match=r"param group 0's 'seen' as \d+ for the first batch"):
+        swapped.step()
+
+
+class _GroupEditingSGD(_CountingSGD):
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
+        return super().step(closure)
+
+
+def test_a_step_that_edits_param_groups_is_refused_and_the_lists_are_restored() -> None:
+    params = _params()
+    swapped = swap_optimizer(_GroupEditingSGD(params, lr=0.1), _config())
+    groups_before = [group["params"] for group in swapped.param_groups]
+    _set_grads(params, 0)
+    with pytest.raises(UnsupportedOptimizerError, match="changed param_groups"):
+        swapped.step()
+    assert [group["params"] for group in swapped.param_groups] == groups_before
+    assert all(now is before for now, before in zip(swapped.param_groups, [swapped.param_groups[0]], strict=False))
+    assert swapped.param_groups[0]["params"] is groups_before[0] and len(groups_before[0]) == len(params)
+
+
+class _ListStateSGD(_CountingSGD):
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        super().step(closure)
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param].setdefault("history", [])
+        return None
+
+
+def test_a_state_held_in_a_python_object_is_refused() -> None:
+    params = _params()
+    swapped = swap_optimizer(_ListStateSGD(params, lr=0.1), _config())
+    _set_grads(params, 0)
+    with pytest.raises(UnsupportedOptimizerError, match=r"keeps state 'history' as a list"):
+        swapped.step()
+
+
+# -- states -------------------------------------------------------------------------
+def test_fresh_states_are_created_by_the_step_and_land_in_host_memory() -> None:
+    params = _params()
+    backend = SimBackend(mode="lazy")
+    swapped = swap_optimizer(torch.optim.Rprop(params, lr=0.01), SwapConfig(backend=backend, swap_times=3))
+    with pytest.raises(UnsupportedOptimizerError, match=r"initialize_state\(\) cannot create the states of Rprop"):
+        swapped.initialize_state()
+    assert not swapped.state
+    _set_grads(params, 0)
+    swapped.step()
+    swapped.synchronize()
+    expected = 0
+    for param in params:
+        state = swapped.state[param]
+        assert set(state) == {"step", "prev", "step_size"}
+        for key in ("prev", "step_size"):
+            if param.numel() >= 1024:
+                assert not backend.owns(state[key]), f"{key} of a {tuple(param.shape)} parameter is not on the host"
+                expected += state[key].numel() * state[key].element_size()
+            else:
+                assert backend.owns(state[key])
+        assert backend.owns(state["step"]) and state["step"].numel() == 1
+    assert swapped.stats.host_state_bytes >= expected > 0
+
+
+def test_generic_adapter_over_adam_matches_plain_adam() -> None:
+    """The dedicated family, driven through the generic path explicitly (a cross-check of both)."""
+    case = dataclasses.replace(
+        _case(lambda groups: torch.optim.Adam(groups, lr=0.01, amsgrad=True)), adapter_factory=GenericAdapter
+    )
+    pair = make_pair(case, SimBackend(mode="random", seed=3))
+    assert isinstance(pair.swapped.adapter, GenericAdapter)
+    _step_both(pair, 6)
+    pair.assert_equal("Adam through the generic adapter")
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """A documented test double of an optimizer that is not per-parameter.
+
+    Each update is scaled by the norm of the whole group's gradient (as global-norm clipping inside an
+    optimizer would be): run batch by batch, every batch would see another norm. swap-generic must refuse
+    it at wrap time rather than step it wrongly.
+    """
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            grads = [param.grad for param in group["params"] if param.grad is not None]
+            if not grads:
+                continue
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grad) for grad in grads]))
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad / norm.clamp(min=1.0), alpha=-group["lr"])
+        return None
+
+
+def test_an_optimizer_that_couples_parameters_is_refused_at_wrap_time() -> None:
+    params = _params()
+    plain = GlobalNormSGD(params, lr=0.1)
+    before = [param.detach().clone() for param in params]
+    with pytest.raises(UnsupportedOptimizerError, match=r"GlobalNormSGD's step is not per-parameter: stepping two"):
+        swap_optimizer(plain, _config())
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True)), "the probe changed a parameter"
+    assert not plain.state and plain.param_groups[0]["params"] == params
+    assert not plain._optimizer_step_post_hooks, "the refused wrap left a hook behind"
+
+
+def test_sparse_gradients_are_refused_clearly() -> None:
+    embedding = torch.nn.Embedding(4096, 16, sparse=True)
+    swapped = swap_optimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.01), _config())
+    embedding(torch.tensor([1, 5, 9])).sum().backward()
+    before = embedding.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"has a sparse gradient; swapping supports dense gradients only"):
+        swapped.step()
+    assert torch.equal(before, embedding.weight.detach())
+
+
+def test_plain_sgd_keeps_no_state_as_torch() -> None:
+    pair = _pair(lambda groups: torch.optim.SGD(groups, lr=0.1))
+    _step_both(pair, 3)
+    assert not pair.reference.state and not pair.swapped.state
+    pair.assert_equal("plain SGD")
