@@ -564,12 +564,20 @@ class SwapOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``, exactly, with swapped states as host tensors.
 
+        Made by the wrapped class's own ``state_dict`` when it has one (bitsandbytes' nests its
+        quantization state), else by torch's.
+
         Swapped tensors are the host mirrors themselves (no device copy, no extra
         host copy), so the result loads into a plain optimizer, whose
         ``load_state_dict`` moves them to the parameters' device, and
         ``torch.load(..., weights_only=True)`` reads a saved one.
         """
         self.synchronize()
+        if _overrides(self.optimizer, "state_dict"):
+            # A format of its own (bitsandbytes nests its quantization state): the wrapped class's method makes it,
+            # over the same state and the same (shared) hooks; the hooks receive the wrapped optimizer.
+            own_format: dict[str, Any] = type(self.optimizer).state_dict(self.optimizer)
+            return own_format
         return super().state_dict()
 
     def initialize_state(self) -> None:
@@ -601,7 +609,9 @@ class SwapOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this optimizer's family, swapped states straight into host memory.
 
-        Casting follows ``torch.optim.Optimizer.load_state_dict`` (floating states
+        An optimizer class with a ``load_state_dict`` of its own (bitsandbytes') loads with
+        it instead (its format, its casting, its checks), and the loaded states then move to
+        host memory. Otherwise casting follows ``torch.optim.Optimizer.load_state_dict`` (floating states
         take the parameter's dtype, ``step`` is kept). The checkpoint is checked
         completely before anything is replaced, so a mismatch raises
         :class:`~swap_core.errors.StateDictMismatchError` with the state intact.
@@ -617,6 +627,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
             return
         self.synchronize()
+        if _overrides(self.optimizer, "load_state_dict"):
+            # Its own format and casting rules (bitsandbytes keeps uint8 codes uint8): its own method loads, and the
+            # loaded state is then taken over into host memory, as after a load through the wrapped optimizer.
+            self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
+            self._follow_edits(self._ordered_params())
+            return
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, dict(state_dict))
             if result is not None:
@@ -777,6 +793,11 @@ def _with_grad(
         kept_grads.append(grad)
         kept_states.append(state)
     return kept_params, kept_grads, kept_states
+
+
+def _overrides(optimizer: torch.optim.Optimizer, method: str) -> bool:
+    """Whether ``optimizer``'s class replaces ``torch.optim.Optimizer``'s ``method`` with one of its own."""
+    return getattr(type(optimizer), method) is not getattr(torch.optim.Optimizer, method)
 
 
 def _take_replaced_state(slot: SwapSlot, view: torch.Tensor, value: object) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from swap_core.errors import StateDictMismatchError
-from swap_core.runtime.dtensor import local_tensor, shard_layout, wrap_local
+from swap_core.runtime import local_tensor, shard_layout, wrap_local
 from swap_core.state_dict_loading import saved_param_ids
 
 from .rows import as_bytes, chunk_rows, padded_rows

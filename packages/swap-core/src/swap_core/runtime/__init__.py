@@ -1,3 +1,11 @@
-"""Mechanism: slots, packed host memory and staging arenas, partitioning, the pipeline."""
+"""Mechanism: slots, packed host memory and staging arenas, partitioning, the pipeline.
 
-__all__: list[str] = []
+The modules are swap-core's own. Public here, for adapters and sibling packages that lay out states of
+DTensor parameters: :func:`local_tensor`, :func:`shard_layout`, :func:`wrap_local` and
+:class:`ShardLayout` (a DTensor's local shard and its layout), and :func:`align_up`.
+"""
+
+from .dtensor import ShardLayout, local_tensor, shard_layout, wrap_local
+from .packed import align_up
+
+__all__ = ["ShardLayout", "align_up", "local_tensor", "shard_layout", "wrap_local"]

@@ -120,13 +120,19 @@ def is_swappable(tensor: torch.Tensor, *, min_numel: int) -> bool:
     Its dtype must be one a host buffer packs (:func:`is_swappable_dtype`), it must be strided and dense
     (its elements fill exactly ``numel`` places in some dimension order: contiguous, channels-last,
     transposed...; host mirrors and staging views keep that order, see :func:`layout_stride`), not a
-    0-dim scalar, and large enough that moving it pays off. It need not own
+    0-dim scalar, not a tensor subclass (a DTensor's local shard is checked instead), and large enough
+    that moving it pays off. It need not own
     its storage: its values are copied into swap's own host buffer and the entry in ``state`` is
     replaced, so a view into a loaded checkpoint's storage swaps too.
     """
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:
+        return False  # a tensor subclass (torchao's quantized states): its data is not one strided storage
     if not is_swappable_dtype(tensor.dtype) or tensor.layout is not torch.strided or tensor.dim() == 0:
         return False  # a 0-dim tensor is a scalar (a step counter, which torch may keep on the CPU)
     return is_dense(tensor) and tensor.numel() >= max(min_numel, 1)
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_swappable_dtype(dtype: torch.dtype) -> bool:

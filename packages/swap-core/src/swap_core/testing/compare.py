@@ -11,9 +11,24 @@ __all__ = ["assert_bitwise_equal", "assert_state_dicts_equal"]
 
 
 def assert_bitwise_equal(expected: torch.Tensor, actual: torch.Tensor, context: str) -> None:
-    """Same dtype, shape and bytes (NaN payloads and signed zeros included), wherever the tensors live."""
-    expected = _local(expected).detach().cpu()
-    actual = _local(actual).detach().cpu()
+    """Same dtype, shape and bytes (NaN payloads and signed zeros included), wherever the tensors live.
+
+    A tensor subclass other than DTensor (torchao's quantized states) compares by its inner tensors and
+    its flattening context (``__tensor_flatten__``).
+    """
+    expected, actual = _local(expected), _local(actual)
+    if _is_wrapper_subclass(expected):
+        assert type(actual) is type(expected), (
+            f"{context}: a {type(actual).__name__}, expected {type(expected).__name__}"
+        )
+        names, expected_context = expected.__tensor_flatten__()  # type: ignore[attr-defined]
+        actual_names, actual_context = actual.__tensor_flatten__()  # type: ignore[attr-defined]
+        assert (names, expected_context) == (actual_names, actual_context), f"{context}: subclass layout differs"
+        for name in names:
+            assert_bitwise_equal(getattr(expected, name), getattr(actual, name), f"{context}.{name}")
+        return
+    expected = expected.detach().cpu()
+    actual = actual.detach().cpu()
     assert expected.dtype == actual.dtype, f"{context}: dtype {actual.dtype} != expected {expected.dtype}"
     assert expected.shape == actual.shape, f"{context}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     expected_bytes = expected.contiguous().reshape(-1).view(torch.uint8)
@@ -46,3 +61,7 @@ def _assert_values_equal(expected: Any, actual: Any, where: str) -> None:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+def _is_wrapper_subclass(tensor: torch.Tensor) -> bool:
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
