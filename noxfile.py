@@ -3,7 +3,7 @@
 ``nox`` runs lint, typecheck, tests (one session per package), integration, docs, build (wheels and
 sdists, checked) and install_matrix (fresh environments installing subsets of the built wheels).
 ``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py);
-``nox -l`` lists every session.
+``nox -s thirdparty`` checks swap-generic over third-party optimizers; ``nox -l`` lists every session.
 Arguments after ``--`` reach the tool, e.g. ``nox -s "tests(package='swap-core')" -- --backend cuda``.
 
 torch is pinned in exactly one place (``TORCH`` below) and installed with pip before
@@ -186,6 +186,22 @@ def install_matrix(session: nox.Session, combo: str) -> None:
     session.install("--force-reinstall", "--no-deps", *chosen)  # a reused environment gets these very wheels
     session.run("python", "-m", "pip", "check")
     session.run("python", "tools/smoke_install.py", *names)
+
+
+THIRD_PARTY_OPTIMIZERS = ("bitsandbytes", "lion-pytorch", "schedulefree", "torchao")
+"""Third-party optimizer packages swap-generic is checked against (``nox -s thirdparty``)."""
+
+
+@nox.session
+def thirdparty(session: nox.Session) -> None:
+    """swap-generic over bitsandbytes, lion-pytorch, schedule-free and torchao optimizers (not in plain ``nox``:
+    it downloads them). Installed under a constraint holding the pinned torch; a test whose package is absent
+    is skipped with the reason."""
+    install_workspace(session, *TEST_TOOLS)
+    constraints = Path(session.create_tmp()) / "torch-constraints.txt"
+    constraints.write_text("\n".join(arg for arg in shlex.split(TORCH) if not arg.startswith("-")) + "\n")
+    session.install("-c", str(constraints), *THIRD_PARTY_OPTIMIZERS)
+    session.run("pytest", "packages/swap-generic/tests/test_generic_thirdparty.py", "-rs", *session.posargs)
 
 
 @nox.session

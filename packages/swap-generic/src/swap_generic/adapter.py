@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from swap_core.errors import UnsupportedOptimizerError
 
 from .group_values import GroupValues
 from .probe import coupling_of
+from .third_party import third_party_refusal
 from .torch_compat import step_hooks_silenced, unhooked_step
 
 __all__ = ["NOT_PER_PARAMETER", "GenericAdapter", "register"]
@@ -62,6 +64,9 @@ class GenericAdapter(StateSwapAdapter):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         _check_per_parameter(optimizer)
+        refusal = third_party_refusal(optimizer)
+        if refusal is not None:
+            raise UnsupportedOptimizerError(f"{type(optimizer).__name__} cannot be swapped: {refusal}")
         coupling = coupling_of(optimizer)
         if coupling is not None:
             raise UnsupportedOptimizerError(
@@ -74,6 +79,7 @@ class GenericAdapter(StateSwapAdapter):
         self._signatures = WeakIdKeyDictionary()
         self._group_values: GroupValues | None = None
         self._stepped = False
+        self._warned_subclass = False
         for group in optimizer.param_groups:  # states made by the constructor (Adagrad's) or loaded before wrapping
             for param in group["params"]:
                 if optimizer.state.get(param):
@@ -109,8 +115,24 @@ class GenericAdapter(StateSwapAdapter):
         self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
         for param in fresh:
             signature = _signature(self.optimizer, param)
+            self._warn_about_subclass_states(param)
             if signature:  # an optimizer may keep no state for a parameter (plain SGD)
                 self._signatures[param] = signature
+
+    def _warn_about_subclass_states(self, param: torch.Tensor) -> None:
+        """Once per optimizer: states held in tensor subclasses stay on the device (swap moves plain tensors)."""
+        if self._warned_subclass:
+            return
+        for key, value in self.optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor) and not _is_plain_or_dtensor(value):
+                self._warned_subclass = True
+                warnings.warn(
+                    f"{type(self.optimizer).__name__} keeps state {key!r} in a {type(value).__name__} (a tensor "
+                    "subclass): such states stay on the device, unswapped (swap moves plain tensors and DTensors)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
 
     def state_mismatch(self, param: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
         """Compared with the state ``param`` had when wrapped, or the one the optimizer's step created for it.
@@ -160,6 +182,16 @@ class GenericAdapter(StateSwapAdapter):
         self._stepped = True
         if values is not None:
             values.after_batch(batch_index)
+
+
+def _is_plain_or_dtensor(tensor: torch.Tensor) -> bool:
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _check_per_parameter(optimizer: torch.optim.Optimizer) -> None:
