@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -273,3 +274,21 @@ def test_run_bench_reports_comparisons_and_failed_baselines() -> None:
     ]
     render_table(bench, console)
     assert "plain AdamW vs external offloading baselines" in console.export_text()
+
+
+def test_sgd_rows_through_swap_generic_or_skipped_naming_it(tmp_path: Path) -> None:
+    """SGD (momentum) is served by swap-generic: exact counts when it is installed, a named skip when not."""
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--backend", "sim", "--optimizers", "sgd", "--workloads", "many_small", "--json", str(path)]
+    assert main(argv) == 0
+    document = json.loads(path.read_text())
+    if importlib.util.find_spec("swap_generic") is None:
+        assert document["rows"] == [] and len(document["skipped"]) == 4
+        assert all("pip install swap-generic" in skipped["reason"] for skipped in document["skipped"])
+        return
+    assert len(document["rows"]) == 4 and document["skipped"] == []
+    for row in document["rows"]:
+        # 64 fp32 matrices of 32 x 32: one 4 KiB momentum_buffer each, created by SGD's first step, then swapped.
+        assert row["h2d_bytes"] == row["d2h_bytes"] == row["host_state_bytes"] == 64 * 4096
+        assert row["h2d_copies"] == row["d2h_copies"] == (row["swap_times"] if row["packed"] else 64)
+        assert row["batches"] == row["swap_times"]

@@ -106,7 +106,8 @@ def measure_row(
     plain = row.optimizer.build(plain_params)
     config = SwapConfig(swap_times=row.swap_times, packed=row.packed, duplex=row.duplex, backend=backend)
     swapped = swap_optimizer(row.optimizer.build(swapped_params), config)
-    for _ in range(warmup):
+    # Two steps at least: an optimizer whose own step creates its states (swap-generic) moves none in its first.
+    for _ in range(max(warmup, 2)):
         plain.step()
         swapped.step()
     sizes = _transfer_sizes(swapped)

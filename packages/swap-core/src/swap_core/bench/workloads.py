@@ -117,4 +117,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         "muon", lambda params: torch.optim.Muon(params, lr=1e-3), accepts=lambda param: param.dim() == 2
     ),
     "rmsprop": OptimizerSpec("rmsprop", lambda params: torch.optim.RMSprop(params, lr=1e-3)),
+    # Served by swap-generic (their own step, batch by batch); skipped rows, with the reason, without it.
+    "sgd": OptimizerSpec("sgd", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)),
+    "adagrad": OptimizerSpec("adagrad", lambda params: torch.optim.Adagrad(params, lr=1e-3)),
+    "nadam": OptimizerSpec("nadam", lambda params: torch.optim.NAdam(params, lr=1e-3)),
 }
