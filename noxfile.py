@@ -30,7 +30,7 @@ TORCH = os.environ.get("SWAP_TORCH_SPEC", "torch==2.13.0")
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6", "expecttest")  # expecttest: torch's OptimizerInfo database imports it
-DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2")
+DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11")
 PLOT_TOOLS = ("matplotlib",)  # examples/train_gpt.py writes PNG plots
 RELEASE_TOOLS = ("build", "twine", "packaging")
 DIST_DIR = ROOT / "dist"
@@ -143,8 +143,10 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the mkdocs site with --strict (broken links and pages missing from nav fail)."""
+    """Check that every public name has a docstring, then build the mkdocs site with --strict (broken links,
+    pages missing from nav, and API reference pages that cannot be generated fail)."""
     session.install(*DOCS_TOOLS)
+    session.run("python", "tools/check_api_docs.py")
     site_dir = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site_dir), env={"NO_MKDOCS_2_WARNING": "1"})
 
