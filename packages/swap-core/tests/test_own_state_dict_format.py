@@ -47,3 +47,37 @@ def test_state_dict_is_the_wrapped_class_format_and_loads_both_ways(swap_backend
     pair.step_both(2)
     pair.assert_equal("after loading the class's own format")
     assert fresh.stats.h2d_bytes > 0, "the loaded states were taken into host memory and swapped"
+
+
+def _hook_calls(optimizer: Any) -> list[tuple[str, Any]]:
+    calls: list[tuple[str, Any]] = []
+    optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: calls.append(("pre", opt)))
+    optimizer.register_load_state_dict_post_hook(lambda opt: calls.append(("post", opt)))
+    return calls
+
+
+def test_load_hooks_run_once_given_the_wrapper_on_every_path(swap_backend_factory: Any) -> None:
+    """Swapped, with a class's own load_state_dict, and unswapped (CPU parameters): once each, given the wrapper."""
+    plain_case = ConformanceCase("rmsprop", lambda groups: torch.optim.RMSprop(groups, lr=1e-2), skip_grad_every=0)
+    for case, backend in (
+        (plain_case, swap_backend_factory(mode="lazy")),
+        (CASE, swap_backend_factory(mode="lazy")),
+        (CASE, None),  # CPU parameters, no backend: the wrapped optimizer's own load runs
+    ):
+        if backend is None:
+            pair = make_pair(case, swap_backend_factory(mode="lazy"))
+            optimizer = wrap_case(case, case.make_optimizer(make_groups(case, pair.swapped_params)), _cpu_config())
+            assert optimizer.backend is None
+        else:
+            pair = make_pair(case, backend)
+            optimizer = pair.swapped
+        pair.step_both(2)
+        calls = _hook_calls(optimizer)
+        optimizer.load_state_dict(through_torch_save(pair.reference.state_dict()))
+        assert calls == [("pre", optimizer), ("post", optimizer)], f"{case.name} (backend {backend}): {calls}"
+
+
+def _cpu_config() -> Any:
+    from swap_core import SwapConfig
+
+    return SwapConfig(backend="auto")

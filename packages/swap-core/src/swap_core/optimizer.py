@@ -55,6 +55,8 @@ _HOOK_DICTS = (
 )
 """torch.optim.Optimizer's hook registries, shared between the wrapper and the wrapped optimizer."""
 
+_LOAD_HOOK_DICTS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
 _WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[SwapOptimizer]] = weakref.WeakKeyDictionary()
 """The live wrapper of each wrapped optimizer: a second wrapper would keep a second copy of its state."""
 
@@ -623,20 +625,31 @@ class SwapOptimizer(torch.optim.Optimizer):
         copy at all. Otherwise the new layout is built in new host memory first and
         the old one is freed after it.
         """
-        if self._store is None:
-            self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
-            return
-        self.synchronize()
-        if _overrides(self.optimizer, "load_state_dict"):
-            # Its own format and casting rules (bitsandbytes keeps uint8 codes uint8): its own method loads, and the
-            # loaded state is then taken over into host memory, as after a load through the wrapped optimizer.
-            self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
-            self._follow_edits(self._ordered_params())
-            return
+        if self._store is not None:
+            self.synchronize()
+        # The load hooks run once, given this wrapper, on every path; the wrapped optimizer's own load_state_dict
+        # (CPU parameters, or a class with its own) would run the same (shared) hooks given itself: set aside.
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, dict(state_dict))
+            result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        with _hooks_set_aside(self.optimizer, _LOAD_HOOK_DICTS):
+            if self._store is None:
+                self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
+            elif _overrides(self.optimizer, "load_state_dict"):
+                # Its own format and casting rules (bitsandbytes keeps uint8 codes uint8): its own method loads, and
+                # the loaded state is then taken over into host memory, as after a load through the wrapped optimizer.
+                self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
+                self._follow_edits(self._ordered_params())
+            else:
+                self._load_swapped(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_swapped(self, state_dict: Mapping[str, Any]) -> None:
+        """Stage ``state_dict`` in host memory, checked completely, then commit it (the swapped path)."""
+        assert self._store is not None
         ordered = self._ordered_params()
         self._follow_edits(ordered)
         state_dict = self.adapter.import_state_dict(state_dict)
@@ -658,8 +671,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._seen_state_version = state.version
         self._layout = _layout(self.param_groups, ordered)
         store.attach(self.state)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     # -- parameters -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -793,6 +804,19 @@ def _with_grad(
         kept_grads.append(grad)
         kept_states.append(state)
     return kept_params, kept_grads, kept_states
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> Iterator[None]:
+    """``optimizer``'s hook registries ``names`` are empty inside the block (the same dicts again after it)."""
+    saved = {name: optimizer.__dict__[name] for name in names if name in optimizer.__dict__}
+    try:
+        for name in saved:
+            setattr(optimizer, name, OrderedDict())
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(optimizer, name, hooks)
 
 
 def _overrides(optimizer: torch.optim.Optimizer, method: str) -> bool:
