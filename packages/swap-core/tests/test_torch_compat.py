@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from swap_core.testing.distributed import destroy_process_groups
 from swap_core.torch_compat import (
+    HOOK_REGISTRIES,
     MODULES_BINDING_THE_DEFAULT_GROUP,
+    hook_registries_set_aside,
     import_modules_binding_the_default_group,
     registered_process_groups,
     release_device_mesh_groups,
@@ -86,3 +88,21 @@ def test_teardown_of_one_process_with_a_dtensor() -> None:
     assert gathered.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
     assert not dist.is_initialized()
     assert world() is None, "a process group outlived destroy_process_groups()"
+
+
+def test_hook_registries_are_torch_optimizer_attributes_and_set_aside_restores_them() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    registries = {name: getattr(optimizer, name) for name in HOOK_REGISTRIES}
+    assert all(isinstance(hooks, dict) for hooks in registries.values()), "torch moved its hook registries"
+    calls: list[str] = []
+    optimizer.register_load_state_dict_post_hook(lambda opt: calls.append("post"))
+    with hook_registries_set_aside(optimizer, ["_optimizer_load_state_dict_post_hooks"]):
+        optimizer.load_state_dict(optimizer.state_dict())
+        assert not optimizer._optimizer_load_state_dict_post_hooks
+    assert calls == []
+    assert all(getattr(optimizer, name) is hooks for name, hooks in registries.items())
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert calls == ["post"]
+    with pytest.raises(ValueError, match=r"Not hook registries of torch\.optim\.Optimizer"):
+        with hook_registries_set_aside(optimizer, ["_no_such_hooks"]):
+            pass

@@ -36,7 +36,7 @@ from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
 from .state_dict_loading import load_swapped_state
 from .stats import SwapStats
-from .torch_compat import note_step_for_lr_schedulers
+from .torch_compat import HOOK_REGISTRIES, hook_registries_set_aside, note_step_for_lr_schedulers
 from .trace import StepTrace
 
 __all__ = ["SwapOptimizer"]
@@ -45,14 +45,7 @@ _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
+_HOOK_DICTS = HOOK_REGISTRIES
 """torch.optim.Optimizer's hook registries, shared between the wrapper and the wrapped optimizer."""
 
 _LOAD_HOOK_DICTS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
@@ -634,7 +627,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        with _hooks_set_aside(self.optimizer, _LOAD_HOOK_DICTS):
+        with hook_registries_set_aside(self.optimizer, _LOAD_HOOK_DICTS):
             if self._store is None:
                 self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
             elif _overrides(self.optimizer, "load_state_dict"):
@@ -804,19 +797,6 @@ def _with_grad(
         kept_grads.append(grad)
         kept_states.append(state)
     return kept_params, kept_grads, kept_states
-
-
-@contextlib.contextmanager
-def _hooks_set_aside(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> Iterator[None]:
-    """``optimizer``'s hook registries ``names`` are empty inside the block (the same dicts again after it)."""
-    saved = {name: optimizer.__dict__[name] for name in names if name in optimizer.__dict__}
-    try:
-        for name in saved:
-            setattr(optimizer, name, OrderedDict())
-        yield
-    finally:
-        for name, hooks in saved.items():
-            setattr(optimizer, name, hooks)
 
 
 def _overrides(optimizer: torch.optim.Optimizer, method: str) -> bool:

@@ -9,16 +9,21 @@ Checked against torch 2.13.0.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "HOOK_REGISTRIES",
     "MODULES_BINDING_THE_DEFAULT_GROUP",
     "TorchCompatError",
+    "hook_registries_set_aside",
     "import_modules_binding_the_default_group",
     "note_step_for_lr_schedulers",
     "registered_process_groups",
@@ -56,6 +61,38 @@ def import_modules_binding_the_default_group() -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in MODULES_BINDING_THE_DEFAULT_GROUP:
             importlib.import_module(name)
+
+
+HOOK_REGISTRIES = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+"""The per-instance hook registries of ``torch.optim.Optimizer`` (ordered dicts; checked: torch 2.13)."""
+
+
+@contextlib.contextmanager
+def hook_registries_set_aside(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> Iterator[None]:
+    """``optimizer``'s hook registries ``names`` (of :data:`HOOK_REGISTRIES`) are empty inside the block.
+
+    The same dict objects are put back after it, whatever happens; a hook registered inside the block
+    is dropped with the empty dict. For running one of the optimizer's own methods without the hooks
+    that its caller runs itself.
+    """
+    unknown = [name for name in names if name not in HOOK_REGISTRIES]
+    if unknown:
+        raise ValueError(f"Not hook registries of torch.optim.Optimizer: {unknown}; expected some of {HOOK_REGISTRIES}")
+    saved = {name: optimizer.__dict__[name] for name in names if name in optimizer.__dict__}
+    try:
+        for name in saved:
+            setattr(optimizer, name, OrderedDict())
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(optimizer, name, hooks)
 
 
 def note_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.optim.optimizer as torch_optimizer
 
+from swap_core.torch_compat import hook_registries_set_aside
+
 __all__ = ["TorchCompatError", "step_hooks_silenced", "tensor_version", "unhooked_step"]
 
 _INSTANCE_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
@@ -62,17 +64,13 @@ def step_hooks_silenced(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 f"torch.optim.optimizer.{name} is gone (checked against torch 2.13): "
                 "swap_generic.torch_compat.step_hooks_silenced needs updating for this torch"
             )
-    saved_instance = {name: optimizer.__dict__[name] for name in _INSTANCE_HOOKS if name in optimizer.__dict__}
     saved_global = {name: getattr(torch_optimizer, name) for name in _GLOBAL_HOOKS}
     try:
-        for name in saved_instance:
-            setattr(optimizer, name, OrderedDict())
         for name in saved_global:
             setattr(torch_optimizer, name, OrderedDict())
-        yield
+        with hook_registries_set_aside(optimizer, _INSTANCE_HOOKS):
+            yield
     finally:
-        for name, hooks in saved_instance.items():
-            setattr(optimizer, name, hooks)
         for name, hooks in saved_global.items():
             setattr(torch_optimizer, name, hooks)
 
