@@ -17,6 +17,7 @@ from swap_core.errors import AdapterNotFoundError, StateDictMismatchError
 from swap_core.sim import MemoryKind, SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.conformance import through_torch_save
+from swap_core.testing.views import planned_batches
 
 SHAPES = [(32, 40), (40,), (24, 24), (8,), (30, 30)]
 
@@ -343,9 +344,9 @@ def test_adapter_partition_costs_drive_the_batches() -> None:
     )
     set_grads(params, 0)
     opt.step()
-    batches = opt._current_plan().batches
+    batches = planned_batches(opt)
     assert [len(batch.params) for batch in batches] == [4, 1]
-    assert batches[1].params[0][1] is params[-1]
+    assert batches[1].params[0] is params[-1]
 
 
 class _RefusingAdapter(RMSpropAdapter):

@@ -18,6 +18,7 @@ import torch
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..optimizer import SwapOptimizer
+from ..testing.views import planned_batches
 from ..wrap import swap_optimizer
 from .link import LinkBandwidth
 from .workloads import OPTIMIZERS, OptimizerSpec, Workload
@@ -310,8 +311,7 @@ class _CopiesAlone:
 
 def _transfer_sizes(optimizer: SwapOptimizer) -> list[list[int]]:
     """Bytes of each copy of each batch of ``optimizer``'s current plan (what one direction of a step moves)."""
-    plan = optimizer._current_plan()  # the bench belongs to swap-core: it may read the plan it measures
-    return [[host.numel() * host.element_size() for host, _ in batch.transfers] for batch in plan.batches]
+    return [list(batch.copy_bytes) for batch in planned_batches(optimizer)]
 
 
 def _timed(step: Callable[[], object], backend: DeviceBackend) -> float:

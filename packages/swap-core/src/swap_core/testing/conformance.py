@@ -37,6 +37,7 @@ from .pairs import (
     through_torch_save,
     wrap_case,
 )
+from .views import BatchView, PlannedState, planned_batches, simulator_of
 
 __all__ = [
     "SIM_MODES",
@@ -101,19 +102,20 @@ def check_parity(case: ConformanceCase, backend: DeviceBackend, **overrides: Any
 def check_accounting(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """Exact device bytes and copy counts of a step, measured by the simulator."""
     pair = make_pair(case, backend, **overrides)
+    sim = simulator_of(backend)
     pair.step_both()  # the first step creates the states
     packed = pair.swapped.config.packed
-    batches = pair.swapped._current_plan().batches
+    batches = planned_batches(pair.swapped)
     for _ in range(2):
-        backend.reset_copy_stats()  # type: ignore[attr-defined]
+        sim.reset_copy_stats()
         before = backend.memory_allocated()
         backend.reset_peak_memory_stats()
         pair.step_both()
         backend.synchronize()
         stats = pair.swapped.stats
         peak = backend.max_memory_allocated() - before
-        expected_copies = sum(_copies_per_batch(batch.slots, packed) for batch in batches)
-        copies = backend.copy_stats  # type: ignore[attr-defined]
+        expected_copies = sum(_copies_per_batch(batch.states, packed) for batch in batches)
+        copies = sim.copy_stats
         assert copies.h2d_copies == copies.d2h_copies == expected_copies == stats.h2d_copies == stats.d2h_copies, (
             f"{case.name}: expected {expected_copies} copies each way, simulator saw {copies}, stats say {stats}"
         )
@@ -150,11 +152,12 @@ def check_checkpoint_round_trip(case: ConformanceCase, backend: DeviceBackend, *
 def fault_points(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> list[FaultPoint]:
     """Every batch update and every copy call of one step of ``case``."""
     pair = make_pair(case, backend, **overrides)
+    sim = simulator_of(backend)
     pair.step_both()
-    batches = len(pair.swapped._current_plan().batches)
-    backend.reset_copy_stats()  # type: ignore[attr-defined]
+    batches = len(planned_batches(pair.swapped))
+    sim.reset_copy_stats()
     pair.step_both()
-    copies = backend.copy_stats  # type: ignore[attr-defined]
+    copies = sim.copy_stats
     return [
         *(FaultPoint("update", index) for index in range(batches)),
         *(FaultPoint("h2d", index) for index in range(copies.h2d_copies)),
@@ -265,20 +268,20 @@ def _layout_id(value: object) -> str:
     return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
-def _copies_per_batch(slots: Sequence[Any], packed: bool) -> int:
-    return len({slot.dtype for slot in slots}) if packed else len(slots)
+def _copies_per_batch(states: Sequence[PlannedState], packed: bool) -> int:
+    return len({state.dtype for state in states}) if packed else len(states)
 
 
-def _staging_bound(batches: Sequence[Any], packed: bool) -> int:
+def _staging_bound(batches: Sequence[BatchView], packed: bool) -> int:
     """Two staged batches: per batch, each state 64-byte aligned, each dtype region 512-byte aligned."""
     arenas: list[int] = []
     sizes: list[int] = []
     for batch in batches:
         by_dtype: dict[torch.dtype, int] = {}
-        for slot in batch.slots:
-            by_dtype[slot.dtype] = by_dtype.get(slot.dtype, 0) + align_up(slot.nbytes, SLOT_ALIGN_BYTES)
+        for state in batch.states:
+            by_dtype[state.dtype] = by_dtype.get(state.dtype, 0) + align_up(state.nbytes, SLOT_ALIGN_BYTES)
         arenas.append(sum(align_up(nbytes, ARENA_ALIGN_BYTES) for nbytes in by_dtype.values()))
-        sizes.append(sum(slot.nbytes for slot in batch.slots))
+        sizes.append(sum(state.nbytes for state in batch.states))
     if packed:
         return min(2, len(batches)) * max(arenas, default=0)
     return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
@@ -328,7 +331,7 @@ class _armed:
 
             adapter.update = failing_update  # type: ignore[method-assign]
         else:
-            self.backend.fail_copy(self.point.index, direction=self.point.kind)  # type: ignore[attr-defined]
+            simulator_of(self.backend).fail_copy(self.point.index, direction=self.point.kind)
 
     def __exit__(self, *exc: object) -> None:
         if self.point.kind == "update":

@@ -1,0 +1,90 @@
+"""Read-only views that tests and benchmarks take of a :class:`~swap_core.SwapOptimizer`.
+
+Suites assert exact copies and bytes against the batches a step runs, and drive the
+simulator's fault and copy counters. They read both through these two functions, never
+through the optimizer's private plan or a ``type: ignore`` on a backend annotation::
+
+    from swap_core.testing.views import planned_batches, simulator_of
+
+    batches = planned_batches(opt)                  # what the next step moves, batch by batch
+    sim = simulator_of(opt)                         # the SimBackend it runs on (TypeError otherwise)
+    sim.reset_copy_stats()
+    opt.step()
+    assert sim.copy_stats.h2d_copies == sum(len(batch.copy_bytes) for batch in batches)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..backends.protocol import DeviceBackend
+from ..backends.sim import SimBackend
+from ..optimizer import SwapOptimizer
+
+__all__ = ["BatchView", "PlannedState", "planned_batches", "simulator_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedState:
+    """One swapped state tensor of a batch."""
+
+    param: torch.Tensor
+    key: str
+    dtype: torch.dtype
+    nbytes: int
+    """Bytes of the state itself (of the local shard for a DTensor parameter), without alignment padding."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchView:
+    """One pipeline batch: the parameters it updates together and the copies that bring their states."""
+
+    params: tuple[torch.Tensor, ...]
+    """In param-group order; a batch's parameters are consecutive in that order."""
+    states: tuple[PlannedState, ...]
+    copy_bytes: tuple[int, ...]
+    """Bytes of each host-to-device copy of the batch (one per dtype packed, one per state otherwise);
+    the device-to-host copies that follow the update have the same sizes."""
+
+
+def planned_batches(optimizer: SwapOptimizer) -> tuple[BatchView, ...]:
+    """The batches ``optimizer.step()`` runs next, as it would plan them now.
+
+    Planning checks the states as a step does, so a state the update cannot use raises the
+    step's :class:`~swap_core.errors.SwapStateError` here too. An optimizer over CPU
+    parameters swaps nothing and has no batches: that raises ``ValueError``.
+    """
+    if not isinstance(optimizer, SwapOptimizer):
+        raise TypeError(f"planned_batches() takes a SwapOptimizer, got {type(optimizer).__name__}")
+    if optimizer.backend is None:
+        raise ValueError(
+            "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto'), so it plans no "
+            "batches; give its parameters an accelerator or pass SwapConfig(backend=...)"
+        )
+    plan = optimizer._current_plan()  # swap-core's own view of its plan: the one reader of it outside the optimizer
+    return tuple(
+        BatchView(
+            params=tuple(param for _, param in batch.params),
+            states=tuple(PlannedState(slot.param, slot.key, slot.dtype, slot.nbytes) for slot in batch.slots),
+            copy_bytes=tuple(host.numel() * host.element_size() for host, _ in batch.transfers),
+        )
+        for batch in plan.batches
+    )
+
+
+def simulator_of(target: SwapOptimizer | DeviceBackend | None) -> SimBackend:
+    """The :class:`~swap_core.sim.SimBackend` behind ``target`` (an optimizer or a backend).
+
+    Raises ``TypeError`` naming what ``target`` runs on when it is not the simulator: counters
+    of copies, injected copy faults and the race checker exist only there.
+    """
+    backend = target.backend if isinstance(target, SwapOptimizer) else target
+    if not isinstance(backend, SimBackend):
+        name = "no backend (CPU parameters, nothing swapped)" if backend is None else type(backend).__name__
+        raise TypeError(
+            f"This check needs the simulated accelerator, but it runs on {name}; "
+            "build the optimizer with SwapConfig(backend=SimBackend(...)) or run the suite with --backend sim"
+        )
+    return backend
