@@ -3,7 +3,8 @@
 ``nox`` runs lint, typecheck, tests (one session per package), integration, docs, build (wheels and
 sdists, checked) and install_matrix (fresh environments installing subsets of the built wheels).
 ``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py);
-``nox -s thirdparty`` checks swap-generic over third-party optimizers; ``nox -l`` lists every session.
+``nox -s thirdparty`` checks swap-generic over third-party optimizers, ``nox -s integrations`` the
+training-framework recipes (both download packages); ``nox -l`` lists every session.
 Arguments after ``--`` reach the tool, e.g. ``nox -s "tests(package='swap-core')" -- --backend cuda``.
 
 torch is pinned in exactly one place (``TORCH`` below) and installed with pip before
@@ -25,6 +26,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
 INTEGRATION_DIR = ROOT / "integration-tests"
+RECIPES_DIR = INTEGRATION_DIR / "recipes"
 
 TORCH = os.environ.get("SWAP_TORCH_SPEC", "torch==2.13.0")
 RUFF = "ruff==0.17.6"
@@ -133,7 +135,8 @@ def integration(session: nox.Session) -> None:
     # matplotlib: test_demo.py runs examples/train_gpt.py, which writes PNG plots.
     install_workspace(session, *TEST_TOOLS, *PLOT_TOOLS)
     try:
-        session.run("pytest", "integration-tests", *session.posargs)
+        # The recipes need their frameworks installed: ``nox -s integrations`` runs them.
+        session.run("pytest", "integration-tests", f"--ignore={RECIPES_DIR.relative_to(ROOT)}", *session.posargs)
     except nox.command.CommandFailed as failure:
         if getattr(failure, "return_code", None) != 5:
             raise
@@ -190,6 +193,14 @@ def install_matrix(session: nox.Session, combo: str) -> None:
     session.run("python", "tools/smoke_install.py", *names)
 
 
+def install_with_pinned_torch(session: nox.Session, *packages: str) -> None:
+    """pip-install ``packages`` under a constraint holding the pinned torch (a package asking for torch
+    must not replace it with another build)."""
+    constraints = Path(session.create_tmp()) / "torch-constraints.txt"
+    constraints.write_text("\n".join(arg for arg in shlex.split(TORCH) if not arg.startswith("-")) + "\n")
+    session.install("-c", str(constraints), *packages)
+
+
 THIRD_PARTY_OPTIMIZERS = ("bitsandbytes", "lion-pytorch", "schedulefree", "torchao")
 """Third-party optimizer packages swap-generic is checked against (``nox -s thirdparty``)."""
 
@@ -200,10 +211,29 @@ def thirdparty(session: nox.Session) -> None:
     it downloads them). Installed under a constraint holding the pinned torch; a test whose package is absent
     is skipped with the reason."""
     install_workspace(session, *TEST_TOOLS)
-    constraints = Path(session.create_tmp()) / "torch-constraints.txt"
-    constraints.write_text("\n".join(arg for arg in shlex.split(TORCH) if not arg.startswith("-")) + "\n")
-    session.install("-c", str(constraints), *THIRD_PARTY_OPTIMIZERS)
+    install_with_pinned_torch(session, *THIRD_PARTY_OPTIMIZERS)
     session.run("pytest", "packages/swap-generic/tests/test_generic_thirdparty.py", "-rs", *session.posargs)
+
+
+TRAINING_FRAMEWORKS = (
+    "transformers==5.24.0",
+    "accelerate==1.15.0",
+    "pytorch-lightning==2.6.6",
+    "torchtune==0.6.1",
+    "torchao==0.14.1",  # torchtune 0.6.1 imports torchao.dtypes.nf4tensor, which torchao 0.15 removed
+    "torchtitan==0.3.0",
+)
+"""The frameworks of docs/integrations.md's recipes, at the versions the recipes were checked against."""
+
+
+@nox.session
+def integrations(session: nox.Session) -> None:
+    """The recipes of docs/integrations.md (examples/integrations/) under Hugging Face Trainer, Lightning,
+    torchtune and torchtitan (not in plain ``nox``: it downloads them). A recipe whose framework is absent is
+    skipped with the reason."""
+    install_workspace(session, *TEST_TOOLS)
+    install_with_pinned_torch(session, *TRAINING_FRAMEWORKS)
+    session.run("pytest", str(RECIPES_DIR.relative_to(ROOT)), "-rs", *session.posargs)
 
 
 @nox.session
