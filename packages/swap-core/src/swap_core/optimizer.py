@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import itertools
 import operator
 import time
 import weakref
@@ -117,8 +116,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._plan_key: tuple[int, int] | None = None
         self._params_version = 0
         self._resident_bytes = 0
-        self._all_states_exist = False
-        self._plan_params = 0
         self._every_param_ready = False
         self._step_grads: list[torch.Tensor | None] = []
         self._tracked = TrackedState()
@@ -235,7 +232,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self._create_missing_states(self._params_with_grad())
                 plan = self._current_plan()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
-                self._every_param_ready = self._all_states_exist and with_grad == self._plan_params
+                self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
                 with self.adapter.step_scope():
                     if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
                         self._scheduler.run(
@@ -410,24 +407,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                 num_batches=self.config.swap_times,
                 max_batch_bytes=self.config.max_batch_bytes,
                 costs=costs,
+                state=self.state,
             )
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)
-            start = 0  # batches are consecutive runs of the parameters in order
-            for batch in self._plan.batches:
-                # .get: binding must not create entries (torch keeps no state for never-updated params).
-                batch.segments = []
-                for group_index, grouped in itertools.groupby(batch.params, key=lambda entry: entry[0]):
-                    members = [param for _, param in grouped]
-                    states = [self.state.get(param) for param in members]
-                    batch.segments.append((group_index, members, states, start))
-                    start += len(members)
-                batch.slot_states = [self.state[slot.param] for slot in batch.slots]
-            assert start == len(params), "the batches cover every parameter once, in order"
-            self._plan_params = len(params)
-            self._all_states_exist = all(
-                state for batch in self._plan.batches for _, _, states, _ in batch.segments for state in states
-            )
         return self._plan
 
     def _costs_with_fresh_states(self, params: list[torch.Tensor]) -> list[int] | None:
@@ -454,8 +437,9 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _states_complete(self) -> bool:
         """Whether every parameter already has its state (then no per-parameter scan is needed)."""
         assert self._store is not None
-        current = self._plan is not None and self._plan_key == (self._store.version, self._params_version)
-        return current and self._all_states_exist
+        plan = self._plan
+        current = plan is not None and self._plan_key == (self._store.version, self._params_version)
+        return current and plan is not None and plan.all_states_exist
 
     # -- following what the user did to state and param_groups -------------------
     def _follow_edits(self, ordered: list[torch.Tensor]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,10 @@ class SwapPlan:
     batches: list[PlannedBatch]
     arenas: StagingArenas | None
     version: int
+    param_count: int = 0
+    """Parameters the batches cover, every one once."""
+    all_states_exist: bool = False
+    """Whether every parameter had its state when the plan was bound (a step may then skip per-parameter checks)."""
 
     @property
     def peak_staging_bytes(self) -> int:
@@ -72,8 +76,13 @@ def build_plan(
     num_batches: int,
     max_batch_bytes: int | None,
     costs: Sequence[int] | None,
+    state: Mapping[torch.Tensor, dict[str, Any]],
 ) -> SwapPlan:
-    """Partition ``params`` into batches and, in packed mode, lay out their staging views."""
+    """Partition ``params`` into batches, lay out their staging views (packed mode) and bind them to ``state``.
+
+    ``state`` is the optimizer's state mapping: each batch keeps the state dict of each of its parameters
+    (``None`` for one without state yet), so that a step looks nothing up by tensor.
+    """
     slots_of = [list(store.slots.get(param, {}).values()) for _, param in params]
     nbytes = [sum(slot.nbytes for slot in slots) for slots in slots_of]
     if costs is None:
@@ -105,7 +114,32 @@ def build_plan(
     for batch in batches:
         pairs = zip(batch.slots, batch.device_views, strict=True)
         batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]
-    return SwapPlan(batches=batches, arenas=arenas, version=store.version)
+    assert sum(len(batch.params) for batch in batches) == len(params), "the batches cover every parameter once"
+    all_states_exist = _bind_states(batches, state)
+    return SwapPlan(
+        batches=batches,
+        arenas=arenas,
+        version=store.version,
+        param_count=len(params),
+        all_states_exist=all_states_exist,
+    )
+
+
+def _bind_states(batches: list[PlannedBatch], state: Mapping[torch.Tensor, dict[str, Any]]) -> bool:
+    """Fill each batch's ``segments`` and ``slot_states``; returns whether every parameter has a state."""
+    start = 0  # batches are consecutive runs of the parameters in order
+    every_state = True
+    for batch in batches:
+        batch.segments = []
+        for group_index, grouped in itertools.groupby(batch.params, key=lambda entry: entry[0]):
+            members = [param for _, param in grouped]
+            # .get: binding must not create entries (torch keeps no state for never-updated params).
+            states = [state.get(param) for param in members]
+            every_state = every_state and all(states)
+            batch.segments.append((group_index, members, states, start))
+            start += len(members)
+        batch.slot_states = [state[slot.param] for slot in batch.slots]
+    return every_state
 
 
 def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatch]) -> StagingArenas:
