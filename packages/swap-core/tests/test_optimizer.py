@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.adapters.registry import AdapterRegistry
@@ -125,6 +126,31 @@ def test_closure_hooks_and_profiler_ranges() -> None:
     assert {"swap::prefetch", "swap::update", "swap::offload"} <= names
     opt.load_state_dict(opt.state_dict())
     assert calls == ["pre", "post", "sd_pre", "load_post"]
+
+
+@pytest.mark.parametrize("swapped", [True, False], ids=["swapped", "cpu_params_unswapped"])
+def test_step_hooks_run_once_per_step_as_torchs(swapped: bool) -> None:
+    # Instance hooks on either handle, before or after wrapping, and global hooks: once each, as torch runs them.
+    params = make_params()
+    plain = torch.optim.RMSprop(params, lr=1e-2)
+    calls: list[str] = []
+    plain.register_step_pre_hook(lambda *_: calls.append("pre, on the plain optimizer"))  # type: ignore[arg-type,func-returns-value]
+    opt = wrapped_plain(plain, backend=SimBackend() if swapped else None)
+    assert (opt.backend is not None) is swapped
+    opt.register_step_post_hook(lambda *_: calls.append("post, on the wrapper"))  # type: ignore[arg-type,func-returns-value]
+    handle = register_optimizer_step_pre_hook(lambda *_: calls.append("global pre"))
+    try:
+        set_grads(params, 0)
+        opt.step()
+    finally:
+        handle.remove()
+    assert calls == ["global pre", "pre, on the plain optimizer", "post, on the wrapper"], calls
+
+
+def wrapped_plain(optimizer: torch.optim.Optimizer, backend: SimBackend | None) -> SwapOptimizer:
+    if backend is None:
+        return swap_optimizer(optimizer)  # CPU parameters, backend "auto": the wrapped optimizer's own step
+    return swap_optimizer(optimizer, SwapConfig(backend=backend, swap_times=2, min_numel=64))
 
 
 SCHEDULERS: list[Callable[[torch.optim.Optimizer], Any]] = [

@@ -9,10 +9,12 @@ import gc
 import importlib
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer
 
 from swap_core.testing.distributed import destroy_process_groups
 from swap_core.torch_compat import (
@@ -22,6 +24,8 @@ from swap_core.torch_compat import (
     import_modules_binding_the_default_group,
     registered_process_groups,
     release_device_mesh_groups,
+    share_hook_registries,
+    step_hooks_silenced,
 )
 
 
@@ -106,3 +110,68 @@ def test_hook_registries_are_torch_optimizer_attributes_and_set_aside_restores_t
     with pytest.raises(ValueError, match=r"Not hook registries of torch\.optim\.Optimizer"):
         with hook_registries_set_aside(optimizer, ["_no_such_hooks"]):
             pass
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """A bare Optimizer subclass that skips torch's __init__ and forwards step, as SwapOptimizer does."""
+
+    def __init__(self, wrapped: torch.optim.Optimizer) -> None:  # no super().__init__: it would re-add the groups
+        self.wrapped = wrapped
+        self.defaults = wrapped.defaults
+        self.param_groups = wrapped.param_groups
+        self.state = wrapped.state
+        share_hook_registries(self, wrapped)
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        with step_hooks_silenced(self.wrapped):  # this (hooked) step ran the shared hooks already
+            self.wrapped.step()
+
+
+def test_shared_hook_registries_are_the_wrapped_optimizers_own_and_step_is_hooked_once() -> None:
+    param = torch.nn.Parameter(torch.ones(2))
+    wrapped = torch.optim.SGD([param], lr=0.5)
+    calls: list[str] = []
+    wrapped.register_step_pre_hook(lambda opt, args, kwargs: calls.append("registered before"))
+    wrapper = _Wrapper(wrapped)
+    assert all(getattr(wrapper, name) is getattr(wrapped, name) for name in HOOK_REGISTRIES)
+    wrapper.register_step_post_hook(lambda opt, args, kwargs: calls.append("registered on the wrapper"))
+    param.grad = torch.ones(2)
+    wrapper.step()
+    assert calls == ["registered before", "registered on the wrapper"], calls
+    assert torch.equal(param.detach(), torch.full((2,), 0.5))
+
+
+def test_shared_hook_registries_are_created_on_an_optimizer_missing_them() -> None:
+    wrapped = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5)
+    del wrapped.__dict__["_optimizer_step_pre_hooks"]  # e.g. an optimizer unpickled from an older torch
+    wrapper = _Wrapper(wrapped)
+    assert wrapper._optimizer_step_pre_hooks is wrapped._optimizer_step_pre_hooks == {}
+
+
+def test_step_hooks_silenced_empties_instance_and_global_hooks_and_restores_them() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    calls: list[str] = []
+
+    def hook(*_: Any) -> None:
+        calls.append("hook")
+
+    handles = [
+        optimizer.register_step_pre_hook(hook),
+        optimizer.register_step_post_hook(hook),
+        torch_optimizer.register_optimizer_step_pre_hook(hook),
+        torch_optimizer.register_optimizer_step_post_hook(hook),
+    ]
+    before = (optimizer._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks)
+    try:
+        optimizer.param_groups[0]["params"][0].grad = torch.ones(3)
+        with step_hooks_silenced(optimizer):
+            optimizer.step()  # the hooked step: every registry it reads is empty
+        assert calls == []
+        assert (optimizer._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks) == before
+        assert optimizer._optimizer_step_pre_hooks is before[0]
+        assert torch_optimizer._global_optimizer_pre_hooks is before[1]
+        optimizer.step()
+        assert calls == ["hook"] * 4
+    finally:
+        for handle in handles:
+            handle.remove()

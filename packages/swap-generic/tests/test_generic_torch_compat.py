@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.optim.optimizer as torch_optimizer
 
-from swap_generic.torch_compat import step_hooks_silenced, tensor_version, unhooked_step
+from swap_generic.torch_compat import tensor_version, unhooked_step
 
 
 def _sgd() -> torch.optim.SGD:
@@ -25,35 +22,6 @@ def test_unhooked_step_is_the_function_below_torchs_hook_wrapper() -> None:
     assert torch.equal(optimizer.param_groups[0]["params"][0].detach(), torch.full((3,), 0.9))
     optimizer.step()
     assert calls == ["pre"]
-
-
-def test_step_hooks_silenced_empties_instance_and_global_hooks_and_restores_them() -> None:
-    optimizer = _sgd()
-    calls: list[str] = []
-
-    def hook(*_: Any) -> None:
-        calls.append("hook")
-
-    handles = [
-        optimizer.register_step_pre_hook(hook),
-        optimizer.register_step_post_hook(hook),
-        torch_optimizer.register_optimizer_step_pre_hook(hook),
-        torch_optimizer.register_optimizer_step_post_hook(hook),
-    ]
-    before = (optimizer._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks)
-    try:
-        optimizer.param_groups[0]["params"][0].grad = torch.ones(3)
-        with step_hooks_silenced(optimizer):
-            optimizer.step()  # the hooked step: every registry it reads is empty
-        assert calls == []
-        assert (optimizer._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks) == before
-        assert optimizer._optimizer_step_pre_hooks is before[0]
-        assert torch_optimizer._global_optimizer_pre_hooks is before[1]
-        optimizer.step()
-        assert calls == ["hook"] * 4
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def test_tensor_version_counts_in_place_writes() -> None:

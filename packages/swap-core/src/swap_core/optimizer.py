@@ -15,7 +15,6 @@ import functools
 import operator
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, cast
 
@@ -35,7 +34,13 @@ from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
 from .state_dict_loading import load_swapped_state
 from .stats import SwapStats
-from .torch_compat import HOOK_REGISTRIES, hook_registries_set_aside, note_step_for_lr_schedulers
+from .torch_compat import (
+    HOOK_REGISTRIES,
+    hook_registries_set_aside,
+    note_step_for_lr_schedulers,
+    share_hook_registries,
+    step_hooks_silenced,
+)
 from .trace import StepTrace
 
 __all__ = ["SwapOptimizer"]
@@ -43,9 +48,6 @@ __all__ = ["SwapOptimizer"]
 _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
-
-_HOOK_DICTS = HOOK_REGISTRIES
-"""torch.optim.Optimizer's hook registries, shared between the wrapper and the wrapped optimizer."""
 
 _LOAD_HOOK_DICTS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
@@ -144,16 +146,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _share_hooks(self) -> None:
-        # What torch.optim.Optimizer.__init__ sets up, without re-adding the wrapped optimizer's groups: its
-        # own registries, so hooks registered on the plain optimizer (before wrapping, too) run once per step.
-        for name in _HOOK_DICTS:
-            hooks = self.optimizer.__dict__.get(name)
-            if hooks is None:
-                hooks = OrderedDict()
-                setattr(self.optimizer, name, hooks)
-            setattr(self, name, hooks)
+        # Hooks registered on the plain optimizer (before wrapping, too) run once per step.
+        share_hook_registries(self, self.optimizer)
         _remove_swap_hooks(self.optimizer)  # an earlier (dead) wrapper's
-        self._patch_step_function()
 
     # -- the wrapped optimizer's own objects -----------------------------------
     @property
@@ -217,7 +212,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 loss = closure()
         with self._amp_attributes_forwarded():
             if self._scheduler is None:
-                self.optimizer.step()
+                with step_hooks_silenced(self.optimizer):  # this step's hooks ran: not again for the wrapped one
+                    self.optimizer.step()
                 return loss
             started = time.perf_counter()
             stats = SwapStats()
@@ -839,7 +835,7 @@ def _check_distinct_params(groups: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _remove_swap_hooks(optimizer: torch.optim.Optimizer) -> None:
-    for name in _HOOK_DICTS:
+    for name in HOOK_REGISTRIES:
         hooks = optimizer.__dict__.get(name, {})
         for handle in [handle for handle, hook in hooks.items() if getattr(hook, "_swap_core_hook", False)]:
             del hooks[handle]

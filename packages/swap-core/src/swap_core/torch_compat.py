@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer
 
 __all__ = [
     "HOOK_REGISTRIES",
@@ -28,6 +29,8 @@ __all__ = [
     "note_step_for_lr_schedulers",
     "registered_process_groups",
     "release_device_mesh_groups",
+    "share_hook_registries",
+    "step_hooks_silenced",
 ]
 
 MODULES_BINDING_THE_DEFAULT_GROUP = (
@@ -73,6 +76,34 @@ HOOK_REGISTRIES = (
 )
 """The per-instance hook registries of ``torch.optim.Optimizer`` (ordered dicts; checked: torch 2.13)."""
 
+_INSTANCE_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+_GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+"""``torch.optim.optimizer``'s module dicts of the hooks ``register_optimizer_step_pre/post_hook`` add."""
+
+
+def share_hook_registries(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> None:
+    """Set up on ``wrapper`` the hook machinery ``torch.optim.Optimizer.__init__`` sets up, shared with ``wrapped``.
+
+    ``wrapper`` gets ``wrapped``'s own registries (:data:`HOOK_REGISTRIES`, the same dict objects,
+    created on ``wrapped`` where missing), so a hook registered through either handle, before or after
+    wrapping, is one hook; then its ``step`` is patched for the profiler as torch's ``__init__`` does
+    (``Optimizer._patch_step_function``). ``Optimizer.__init__`` itself cannot be called for this: it
+    would add ``wrapped``'s param groups a second time.
+    """
+    patch = getattr(torch.optim.Optimizer, "_patch_step_function", None)
+    if patch is None:
+        raise TorchCompatError(
+            f"torch {torch.__version__} has no torch.optim.Optimizer._patch_step_function (checked: torch 2.13); "
+            "swap_core.torch_compat.share_hook_registries needs updating for this torch"
+        )
+    for name in HOOK_REGISTRIES:
+        hooks = wrapped.__dict__.get(name)
+        if hooks is None:
+            hooks = OrderedDict()
+            setattr(wrapped, name, hooks)
+        setattr(wrapper, name, hooks)
+    patch(wrapper)
+
 
 @contextlib.contextmanager
 def hook_registries_set_aside(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> Iterator[None]:
@@ -93,6 +124,33 @@ def hook_registries_set_aside(optimizer: torch.optim.Optimizer, names: Sequence[
     finally:
         for name, hooks in saved.items():
             setattr(optimizer, name, hooks)
+
+
+@contextlib.contextmanager
+def step_hooks_silenced(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """No step pre/post hook runs inside the block, neither ``optimizer``'s own nor the global ones.
+
+    A subclass whose ``step`` calls ``super().step()`` reaches the parent's hooked ``step`` (once
+    any instance of the parent exists), which would run the hooks once per batch. The hooks live in
+    ``optimizer._optimizer_step_pre_hooks``/``_post_hooks`` and in the module dicts
+    ``torch.optim.optimizer._global_optimizer_pre_hooks``/``_post_hooks`` (checked: torch 2.13);
+    each is replaced by an empty dict for the block and put back after it.
+    """
+    for name in _GLOBAL_STEP_HOOKS:
+        if not isinstance(getattr(torch_optimizer, name, None), dict):
+            raise TorchCompatError(
+                f"torch.optim.optimizer.{name} is gone (checked against torch 2.13): "
+                "swap_core.torch_compat.step_hooks_silenced needs updating for this torch"
+            )
+    saved_global = {name: getattr(torch_optimizer, name) for name in _GLOBAL_STEP_HOOKS}
+    try:
+        for name in saved_global:
+            setattr(torch_optimizer, name, OrderedDict())
+        with hook_registries_set_aside(optimizer, _INSTANCE_STEP_HOOKS):
+            yield
+    finally:
+        for name, hooks in saved_global.items():
+            setattr(torch_optimizer, name, hooks)
 
 
 def note_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:

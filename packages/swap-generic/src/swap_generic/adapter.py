@@ -25,11 +25,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.errors import UnsupportedOptimizerError
+from swap_core.torch_compat import step_hooks_silenced
 
 from .group_values import GroupValues
 from .probe import coupling_of
 from .third_party import third_party_refusal
-from .torch_compat import step_hooks_silenced, unhooked_step
+from .torch_compat import unhooked_step
 
 __all__ = ["NOT_PER_PARAMETER", "GenericAdapter", "register"]
 

@@ -13,8 +13,10 @@ from collections import defaultdict
 
 import torch
 
+from swap_core.torch_compat import step_hooks_silenced
+
 from .group_values import GroupValues
-from .torch_compat import step_hooks_silenced, unhooked_step
+from .torch_compat import unhooked_step
 
 __all__ = ["PROBE_STEPS", "coupling_of"]
 

@@ -7,21 +7,13 @@ exercises each of them. Checked against torch 2.13.0.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.optim.optimizer as torch_optimizer
 
-from swap_core.torch_compat import hook_registries_set_aside
-
-__all__ = ["TorchCompatError", "step_hooks_silenced", "tensor_version", "unhooked_step"]
-
-_INSTANCE_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
-_GLOBAL_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+__all__ = ["TorchCompatError", "tensor_version", "unhooked_step"]
 
 
 class TorchCompatError(RuntimeError):
@@ -46,33 +38,6 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
             )
         step = inner
     return functools.partial(step, optimizer)
-
-
-@contextlib.contextmanager
-def step_hooks_silenced(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """No step pre/post hook runs inside the block, neither ``optimizer``'s own nor the global ones.
-
-    A subclass whose ``step`` calls ``super().step()`` reaches the parent's hooked ``step`` (once
-    any instance of the parent exists), which would run the hooks once per batch. The hooks live in
-    ``optimizer._optimizer_step_pre_hooks``/``_post_hooks`` and in the module dicts
-    ``torch.optim.optimizer._global_optimizer_pre_hooks``/``_post_hooks`` (checked: torch 2.13);
-    each is replaced by an empty dict for the block and put back after it.
-    """
-    for name in _GLOBAL_HOOKS:
-        if not isinstance(getattr(torch_optimizer, name, None), dict):
-            raise TorchCompatError(
-                f"torch.optim.optimizer.{name} is gone (checked against torch 2.13): "
-                "swap_generic.torch_compat.step_hooks_silenced needs updating for this torch"
-            )
-    saved_global = {name: getattr(torch_optimizer, name) for name in _GLOBAL_HOOKS}
-    try:
-        for name in saved_global:
-            setattr(torch_optimizer, name, OrderedDict())
-        with hook_registries_set_aside(optimizer, _INSTANCE_HOOKS):
-            yield
-    finally:
-        for name, hooks in saved_global.items():
-            setattr(torch_optimizer, name, hooks)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
