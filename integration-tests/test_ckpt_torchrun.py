@@ -39,10 +39,9 @@ def _torchrun(phase: str, directory: Path, optim: str) -> None:
 
 @pytest.mark.parametrize(("optim", "optimizers"), [("adamw", 1), ("muon-adamw", 2)])
 def test_resume_in_new_processes_matches_the_uninterrupted_run(tmp_path: Path, optim: str, optimizers: int) -> None:
-    _torchrun("first", tmp_path, optim)
+    _torchrun("first", tmp_path, optim)  # steps 0-4 and a checkpoint, then steps 0-9 uninterrupted
     assert (tmp_path / "checkpoint" / ".metadata").is_file()
     _torchrun("resume", tmp_path, optim)
-    _torchrun("uninterrupted", tmp_path, optim)
 
     resumed = torch.load(tmp_path / "resume.pt", weights_only=True)
     uninterrupted = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)

@@ -4,11 +4,13 @@ Run under torchrun (gloo, CPU, the simulated accelerator)::
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp_ckpt.py --phase first --dir DIR
     python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp_ckpt.py --phase resume --dir DIR
-    python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp_ckpt.py --phase uninterrupted --dir DIR
 
-``first`` trains steps 0-4 and saves ``DIR/checkpoint``; ``resume`` loads it and
-trains steps 5-9; ``uninterrupted`` trains steps 0-9. The last two write the
-gathered final parameters and optimizer state from rank 0 to ``DIR/<phase>.pt``.
+``first`` trains steps 0-4 and saves ``DIR/checkpoint``, then, in the same processes, builds the
+model and optimizers afresh and trains them through steps 0-9 without a checkpoint (the
+uninterrupted run; one launch fewer than a phase of its own); ``resume`` loads the checkpoint in new
+processes and trains steps 5-9. The gathered final parameters and optimizer state of the
+uninterrupted run and of the resumed one go from rank 0 to ``DIR/uninterrupted.pt`` and
+``DIR/resume.pt``.
 ``--optim adamw`` (default) swaps one AdamW; ``--optim muon-adamw`` swaps
 owner-rank distributed Muon for the hidden matrices and AdamW for the rest.
 """
@@ -110,7 +112,7 @@ def save_gathered(model: nn.Module, optimizers: list[torch.optim.Optimizer], pat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--phase", choices=("first", "resume", "uninterrupted"), required=True)
+    parser.add_argument("--phase", choices=("first", "resume"), required=True)
     parser.add_argument("--dir", type=Path, required=True, help="checkpoint and result directory")
     parser.add_argument("--optim", choices=("adamw", "muon-adamw"), default="adamw", help="swapped optimizers")
     args = parser.parse_args()
@@ -129,13 +131,14 @@ def run_phase(phase: str, directory: Path, optim: str) -> None:
     if phase == "first":
         train(model, optimizers, range(STEPS_BEFORE_SAVE), rank)
         dcp.save({"app": swap_ckpt.AppState(model, optimizers)}, checkpoint_id=checkpoint)
-        return
-    if phase == "resume":
-        swap_ckpt.load_checkpoint({"app": swap_ckpt.AppState(model, optimizers)}, checkpoint)
-        train(model, optimizers, range(STEPS_BEFORE_SAVE, total), rank)
-    else:
+        del model, optimizers  # the stopped run ends here; the uninterrupted one starts from scratch
+        model, optimizers = build(world_size, optim)
         train(model, optimizers, range(total), rank)
-    save_gathered(model, optimizers, directory / f"{phase}.pt", rank)
+        save_gathered(model, optimizers, directory / "uninterrupted.pt", rank)
+        return
+    swap_ckpt.load_checkpoint({"app": swap_ckpt.AppState(model, optimizers)}, checkpoint)
+    train(model, optimizers, range(STEPS_BEFORE_SAVE, total), rank)
+    save_gathered(model, optimizers, directory / "resume.pt", rank)
 
 
 if __name__ == "__main__":
