@@ -284,3 +284,10 @@ def test_plain_sgd_keeps_no_state_as_torch() -> None:
     _step_both(pair, 3)
     assert not pair.reference.state and not pair.swapped.state
     pair.assert_equal("plain SGD")
+
+
+def test_master_weights_are_refused_until_the_generic_adapter_supports_them() -> None:
+    params = [torch.nn.Parameter(torch.randn(64, 64).bfloat16())]
+    config = SwapConfig(backend=SimBackend(), min_numel=16, master_weights=True)
+    with pytest.raises(UnsupportedOptimizerError, match=r"master_weights=True is not supported yet for SGD"):
+        swap_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), config)

@@ -65,6 +65,11 @@ class SwapConfig:
     backend: BackendSpec = "auto"
     """``"auto"`` (the parameters' device), ``"sim"``, ``"cuda"``, ``"npu"``, ``"xpu"`` or a backend."""
 
+    master_weights: bool = False
+    """Keep an fp32 master copy of every bfloat16/float16 parameter as optimizer state (``"master_param"``),
+    swapped with the other states; the update runs on the masters with fp32 gradients and fp32 states, and
+    each parameter is then set from its master. fp32 parameters are unaffected (see docs/master-weights.md)."""
+
     host_memory: HostMemoryMode = "exact"
     """``"exact"``: host buffers pinned at their size, to the page (CUDA registers them with the driver; elsewhere
     the caching path, with a warning); ``"caching"``: torch's pinned allocator, which rounds up to a power of two."""
@@ -80,6 +85,7 @@ class SwapConfig:
         _require_bool("duplex", self.duplex)
         _require_bool("keep_staging", self.keep_staging)
         _require_bool("trace", self.trace)
+        _require_bool("master_weights", self.master_weights)
         _validate_backend(self.backend)
         if self.host_memory not in HOST_MEMORY_MODES:
             raise ValueError(

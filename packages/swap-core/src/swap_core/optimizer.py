@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import operator
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, cast
@@ -26,6 +28,15 @@ from .backend_selection import select_backend
 from .backends.protocol import DeviceBackend
 from .config import SwapConfig
 from .errors import SwapStateError, UnsupportedOptimizerError
+from .master_weights import (
+    MASTER_KEY,
+    has_master,
+    master_problem,
+    on_masters,
+    set_params_from_masters,
+    stand_in,
+    without_master,
+)
 from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.pipeline import PipelineScheduler
 from .runtime.plan import PlannedBatch, SwapPlan, build_plan
@@ -44,6 +55,8 @@ from .torch_compat import (
 from .trace import StepTrace
 
 __all__ = ["SwapOptimizer"]
+
+_LOG = logging.getLogger("swap_core")
 
 _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
 _GRAD = operator.attrgetter("grad")
@@ -107,6 +120,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.adapter: StateSwapAdapter = adapter_factory(optimizer)
         self.backend: DeviceBackend | None = select_backend(config.backend, self._ordered_params())
         self._swap_keys()  # refuses unknown state_keys
+        self._master_weights = config.master_weights
+        if self._master_weights:
+            self._check_master_weights_supported(self._ordered_params())
         if self.backend is not None:  # unswapped (CPU parameters), the wrapped optimizer's step takes any state
             self._check_states(self._ordered_params_with_groups(), UnsupportedOptimizerError)
         self.stats = SwapStats()
@@ -277,7 +293,12 @@ class SwapOptimizer(torch.optim.Optimizer):
                         fresh += [param for param, state in zip(params, states, strict=True) if not state]
                 if params:
                     group = self.param_groups[group_index]
-                    self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
+                    if self._master_weights:  # the update runs on the fp32 masters, the params follow them
+                        params, grads, pairs = on_masters(params, grads, states)
+                        self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
+                        set_params_from_masters(pairs)
+                    else:
+                        self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
         if fresh:
             # States the update just created on the device go to host memory now, before the next batch
             # creates its own (one batch of fresh states on the device at a time).
@@ -360,7 +381,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         """
         assert self._store is not None
         fresh = [
-            (param, self.adapter.initial_state(param, self.param_groups[group_index]))
+            (param, self.adapter.initial_state(self._as_updated(param), self.param_groups[group_index]))
             for group_index, param in params
             if not self.state[param]
         ]
@@ -372,14 +393,20 @@ class SwapOptimizer(torch.optim.Optimizer):
             with self._store.all_or_nothing():
                 for param, initial in fresh:
                     state = self.state[param]
+                    masters = self._master_weights and has_master(param)
+                    if masters:  # the master starts as the parameter, exactly (fp32 holds every bf16/fp16 value)
+                        initial = {**initial, MASTER_KEY: StateInit(tuple(param.shape), torch.float32)}
                     for key, value in initial.items():
                         state[key] = value
                         if not isinstance(value, StateInit):
                             continue
+                        source: StateSource = param.detach() if masters and key == MASTER_KEY else float(value.fill)
                         if self._store.should_swap(key, value):
-                            new.append((_slot_for(param, key, value), float(value.fill)))
+                            new.append((_slot_for(param, key, value), source))
                         else:
                             state[key] = self._store.resident_value(value, param)
+                            if isinstance(source, torch.Tensor):
+                                state[key].copy_(source)
                 self._store.add(new, self._ordered_params())
         except BaseException:
             for param, _ in fresh:  # each had no state: it has none again (e.g. the host lacked the memory)
@@ -522,7 +549,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             state = self.state.get(param)
             if not state:
                 continue
-            problem = self.adapter.state_mismatch(param, self.param_groups[group_index], state)
+            problem = None
+            if self._master_weights and has_master(param):
+                problem = master_problem(param, state)
+                state = without_master(state)
+            if problem is None:
+                problem = self.adapter.state_mismatch(self._as_updated(param), self.param_groups[group_index], state)
             if problem is not None:
                 raise error(
                     f"The state of parameter {index} (param group {group_index}, shape {tuple(param.shape)}) "
@@ -627,7 +659,18 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._follow_edits(ordered)
         state_dict = self.adapter.import_state_dict(state_dict)
         store = self._new_store(self._swap_keys())
-        groups, state, loaded = load_swapped_state(self.param_groups, self.adapter, store, state_dict)
+        staged = load_swapped_state(
+            self.param_groups, self.adapter, store, state_dict, master_weights=self._master_weights
+        )
+        groups, state, loaded = staged.param_groups, staged.state, staged.swapped
+        if staged.masters_from_params:
+            warnings.warn(
+                f"The checkpoint has no {MASTER_KEY!r} for {staged.masters_from_params} bfloat16/float16 "
+                "parameter(s) (saved without master weights): their fp32 masters start as the parameters' "
+                "current values, and their loaded states are kept in fp32",
+                UserWarning,
+                stacklevel=3,
+            )
         if self._store.load_in_place(loaded, state):
             # The loaded layout is the live one (a resume): the mirrors took the values, nothing was allocated.
             store = self._store
@@ -652,6 +695,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise RuntimeError("SwapOptimizer is not initialized")
         param_group["params"] = _group_params(param_group)  # as torch's add_param_group does (a generator once)
         _check_distinct_params([*self.param_groups, param_group])
+        if self._master_weights:
+            self._check_master_weights_supported(param_group["params"])
         if self.backend is None:
             self.optimizer.add_param_group(param_group)
             return
@@ -698,6 +743,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._store.rekey(new_to_old_param)
 
     def _params_changed(self) -> None:
+        if self._master_weights:
+            self._check_master_weights_supported(self._ordered_params())
         self.adapter.params_changed(self._ordered_params())  # may refuse: nothing has changed yet
         self._params_version += 1
         self._plan = None
@@ -705,6 +752,40 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._adopt_params()
 
     # -- helpers ----------------------------------------------------------------
+    def _as_updated(self, param: torch.Tensor) -> torch.Tensor:
+        """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
+        return stand_in(param) if self._master_weights and has_master(param) else param
+
+    def _check_master_weights_supported(self, params: Sequence[torch.Tensor]) -> None:
+        """``master_weights=True`` where this release cannot keep its promise: refused before anything changes.
+
+        Only parameters that get a master count; with none (fp32 parameters only) there is nothing to refuse.
+        """
+        low = [param for param in params if has_master(param)]
+        if not low:
+            _LOG.info("master_weights=True, but no parameter is bfloat16 or float16: no master copy is made")
+            return
+        name = type(self.optimizer).__name__
+        if self.backend is None:
+            raise UnsupportedOptimizerError(
+                "master_weights=True needs a swap backend in this release; these parameters are CPU tensors and "
+                "backend='auto' runs the plain optimizer. Pass SwapConfig(backend='sim') to run the swap pipeline "
+                "on the CPU, or keep master_weights=False"
+            )
+        if self.adapter.lazy_states:
+            raise UnsupportedOptimizerError(
+                f"master_weights=True is not supported yet for {name} through {type(self.adapter).__name__} "
+                "(an adapter that runs the optimizer's own step); families with a dedicated adapter (Adam, AdamW, "
+                "RMSprop, single-process Muon) support it"
+            )
+        sharded = [param for param in low if shard_layout(param) is not None]
+        if sharded:
+            raise UnsupportedOptimizerError(
+                f"master_weights=True is not supported yet for DTensor (FSDP2) parameters: {len(sharded)} of "
+                f"{name}'s parameters are sharded. Shard fp32 parameters with a bf16 MixedPrecisionPolicy instead, "
+                "or keep master_weights=False"
+            )
+
     def _ordered_params_with_groups(self) -> list[tuple[int, torch.Tensor]]:
         return [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
 
@@ -718,6 +799,8 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _swap_keys(self) -> tuple[str, ...] | None:
         declared = self.adapter.swappable_keys
+        if declared is not None and self.config.master_weights:
+            declared = (*declared, MASTER_KEY)
         requested = self.config.state_keys
         if requested is None or declared is None:  # declared None: the family swaps any key
             return requested if requested is not None else declared

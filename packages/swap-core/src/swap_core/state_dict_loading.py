@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -9,12 +10,25 @@ import torch
 
 from .adapters.base import StateInit, StateSwapAdapter
 from .errors import StateDictMismatchError
+from .master_weights import MASTER_KEY, has_master, stand_in, without_master
 from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.slots import SwapSlot, layout_stride
 from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
 
-__all__ = ["load_swapped_state", "saved_param_ids"]
+__all__ = ["LoadedState", "load_swapped_state", "saved_param_ids"]
+
+
+@dataclasses.dataclass
+class LoadedState:
+    """A checked state dict, staged: what :func:`load_swapped_state` returns for the caller to commit."""
+
+    param_groups: list[dict[str, Any]]
+    state: TrackedState
+    swapped: list[tuple[SwapSlot, StateSource]]
+    """Swapped states still to place: (slot, loaded value)."""
+    masters_from_params: int = 0
+    """bf16/fp16 parameters whose checkpoint had no master copy: theirs start as the live parameter."""
 
 
 def load_swapped_state(
@@ -22,7 +36,9 @@ def load_swapped_state(
     adapter: StateSwapAdapter,
     store: StateStore,
     state_dict: Mapping[str, Any],
-) -> tuple[list[dict[str, Any]], TrackedState, list[tuple[SwapSlot, StateSource]]]:
+    *,
+    master_weights: bool = False,
+) -> LoadedState:
     """New param groups and state for the optimizer of ``param_groups``, checked by its ``adapter``,
     and the swapped states still to place.
 
@@ -31,6 +47,11 @@ def load_swapped_state(
     live store's mirrors (:meth:`~swap_core.runtime.store.StateStore.load_in_place`) or in ``store``'s
     new host memory (:meth:`~swap_core.runtime.store.StateStore.add`). Nothing of the live optimizer
     is modified: the caller commits the result.
+
+    ``master_weights``: a bf16/fp16 parameter's floating states load as fp32 (not cast to the
+    parameter's dtype, as torch's load casts them) and its ``master_param`` with them; a state saved
+    without one (a plain checkpoint) gets a master copied from the live parameter, counted in
+    :attr:`LoadedState.masters_from_params`. Without it, a checkpoint holding masters is refused.
     """
     if "state" not in state_dict or "param_groups" not in state_dict:
         raise StateDictMismatchError(
@@ -41,28 +62,42 @@ def load_swapped_state(
     id_map = _saved_id_map(groups, saved_groups)
     staged = TrackedState()
     new: list[tuple[SwapSlot, StateSource]] = []
+    masters_from_params = 0
     for saved_id, saved_state in state_dict["state"].items():
         if saved_id not in id_map:
             raise StateDictMismatchError(
                 f"Loaded state dict has state for parameter id {saved_id!r}, which none of its param groups lists"
             )
         param, group, saved_group = id_map[saved_id]
+        masters = master_weights and has_master(param)
+        if MASTER_KEY in saved_state and not masters:
+            raise StateDictMismatchError(_unexpected_master(saved_id, param, master_weights))
+        # What the update runs on: the parameter, or the fp32 master of a bf16/fp16 one.
+        updated = stand_in(param) if masters else param
         # The options the loaded group will have: the checkpoint's, the live group's where it has none.
         loaded_group = {**group, **saved_group, "params": group["params"]}
+        if masters and MASTER_KEY in saved_state:
+            _check_master_shape(saved_id, param, saved_state[MASTER_KEY])
         if saved_state:
-            problem = adapter.state_mismatch(param, loaded_group, saved_state)
+            problem = adapter.state_mismatch(updated, loaded_group, without_master(saved_state))
             if problem is not None:
                 raise StateDictMismatchError(
                     f"Loaded state dict: the state of parameter {saved_id!r} {problem}; nothing was loaded"
                 )
         # An adapter whose update creates states knows no fresh state (nothing is held whole on one rank).
-        expected = {} if adapter.lazy_states else adapter.initial_state(param, group)
+        expected = {} if adapter.lazy_states else adapter.initial_state(updated, group)
         entry = staged[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
         for key, value in saved_state.items():
             # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
-            entry[key] = _stage_value(store, new, param, saved_group, key, value, expected.get(key), saved_id)
+            entry[key] = _stage_value(
+                store, new, param, updated.dtype, saved_group, key, value, expected.get(key), saved_id
+            )
+        if masters and saved_state and MASTER_KEY not in saved_state:
+            # A plain checkpoint: the master starts as the live parameter (the checkpoint's own weights, loaded).
+            entry[MASTER_KEY] = _master_from_param(store, new, param)
+            masters_from_params += 1
     new_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
-    return new_groups, staged, new
+    return LoadedState(new_groups, staged, new, masters_from_params)
 
 
 def saved_param_ids(
@@ -104,29 +139,31 @@ def _stage_value(
     store: StateStore,
     new: list[tuple[SwapSlot, StateSource]],
     param: torch.Tensor,
+    dtype: torch.dtype,
     group: Mapping[str, Any],
     key: str,
     value: Any,
     expected: torch.Tensor | StateInit | None,
     saved_id: object,
 ) -> Any:
+    """``dtype``: what a floating state of ``param`` is cast to (its own dtype, or fp32 beside a master)."""
     if isinstance(value, dict):
-        return {k: _cast_like_torch(param, v, k, group) for k, v in value.items()}
+        return {k: _cast_like_torch(param, dtype, v, k, group) for k, v in value.items()}
     if not isinstance(value, torch.Tensor):
         return value
     if key != "step" and param.is_floating_point():
         # A state the adapter holds whole on this rank (not sharded like its DTensor parameter), or any state
         # of a plain parameter: its own shape (Adafactor's row and column statistics are not the parameter's).
         whole = shard_layout(param) is None or (isinstance(expected, StateInit) and not expected.shard_like_param)
-        template = StateInit(tuple(value.shape), param.dtype, shard_like_param=not whole)
+        template = StateInit(tuple(value.shape), dtype, shard_like_param=not whole)
         if store.should_swap(key, template):
-            host_value = local_tensor(value).to(dtype=param.dtype)
+            host_value = local_tensor(value).to(dtype=dtype)
             # The loaded tensor's memory order, as torch's load keeps it (a fused kernel reads memory in order).
             stride = layout_stride(host_value)
             if whole:
-                slot = SwapSlot(param, key, torch.Size(value.shape), param.dtype, stride=stride)
+                slot = SwapSlot(param, key, torch.Size(value.shape), dtype, stride=stride)
             else:
-                slot = SwapSlot(param, key, local_tensor(param).shape, param.dtype, shard_layout(param), stride)
+                slot = SwapSlot(param, key, local_tensor(param).shape, dtype, shard_layout(param), stride)
             if host_value.shape != slot.shape:
                 raise StateDictMismatchError(
                     f"State {key!r} of parameter {saved_id!r} has a local shard of shape {tuple(host_value.shape)}, "
@@ -134,14 +171,15 @@ def _stage_value(
                 )
             new.append((slot, host_value))
             return template
-    cast = _cast_like_torch(param, value, key, group)
+    cast = _cast_like_torch(param, dtype, value, key, group)
     if key == "step" or cast.dim() == 0:
         return cast
     return store.resident_copy(cast)
 
 
-def _cast_like_torch(param: torch.Tensor, value: Any, key: str, group: Mapping[str, Any]) -> Any:
-    """``torch.optim.Optimizer.load_state_dict``'s casting rule for one state value."""
+def _cast_like_torch(param: torch.Tensor, dtype: torch.dtype, value: Any, key: str, group: Mapping[str, Any]) -> Any:
+    """``torch.optim.Optimizer.load_state_dict``'s casting rule for one state value, floating states to ``dtype``
+    (the parameter's own, as torch casts them, or fp32 beside a master)."""
     if not isinstance(value, torch.Tensor):
         return value
     if key == "step":
@@ -149,8 +187,41 @@ def _cast_like_torch(param: torch.Tensor, value: Any, key: str, group: Mapping[s
             return value.to(dtype=torch.float32, device=param.device)
         return value
     if param.is_floating_point():
-        return value.to(dtype=param.dtype, device=param.device)
+        return value.to(dtype=dtype, device=param.device)
     return value.to(device=param.device)
+
+
+def _master_from_param(store: StateStore, new: list[tuple[SwapSlot, StateSource]], param: torch.Tensor) -> Any:
+    """A master copy of ``param`` itself: swapped (filled from the parameter, cast on the way to host memory,
+    one parameter at a time) or resident (an fp32 device copy)."""
+    template = StateInit(tuple(param.shape), torch.float32)
+    if store.should_swap(MASTER_KEY, template):
+        local = local_tensor(param)
+        slot = SwapSlot(param, MASTER_KEY, local.shape, torch.float32, stride=layout_stride(local))
+        new.append((slot, param.detach()))
+        return template
+    return store.resident_copy(param.detach().float())
+
+
+def _check_master_shape(saved_id: object, param: torch.Tensor, master: object) -> None:
+    shape = tuple(master.shape) if isinstance(master, torch.Tensor) else None
+    if shape != tuple(param.shape):
+        got = f"shape {shape}" if shape is not None else f"a {type(master).__name__}"
+        raise StateDictMismatchError(
+            f"Loaded state dict: the state of parameter {saved_id!r} has {MASTER_KEY!r} of {got}, but its parameter "
+            f"has shape {tuple(param.shape)}; nothing was loaded"
+        )
+
+
+def _unexpected_master(saved_id: object, param: torch.Tensor, master_weights: bool) -> str:
+    where = f"Loaded state dict: the state of parameter {saved_id!r} has {MASTER_KEY!r} (an fp32 master copy)"
+    if master_weights:
+        return f"{where}, but the parameter is {param.dtype}, which keeps no master; nothing was loaded"
+    return (
+        f"{where}: it was saved with master_weights=True. Load it with SwapConfig(master_weights=True), or into "
+        "the plain optimizer (torch's load keeps the key and casts every state to the parameter's dtype); "
+        "nothing was loaded"
+    )
 
 
 def _updated_group(group: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:

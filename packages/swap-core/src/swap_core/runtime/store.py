@@ -62,6 +62,8 @@ class StateStore:
         self._candidate_bytes = 0
         self.version = 0
         """Bumped whenever the set of slots or their host layout changes (plans are rebuilt)."""
+        self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(host mirror, host copy of a device source in another dtype): cast by :meth:`_finish_fills`."""
 
     def attach(self, state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """Write host mirrors into ``state`` from now on (used to stage a load, then commit it)."""
@@ -259,13 +261,24 @@ class StateStore:
     def _fill(self, host: torch.Tensor, source: StateSource) -> None:
         if isinstance(source, float):
             host.fill_(source)
-        elif self._backend.owns(local_tensor(source)):
-            self._backend.copy(host, local_tensor(source), stream=self._copy_stream)
+            return
+        local = local_tensor(source)
+        if not self._backend.owns(local):
+            host.copy_(local)
+        elif local.dtype == host.dtype:
+            self._backend.copy(host, local, stream=self._copy_stream)
         else:
-            host.copy_(local_tensor(source))
+            # Another dtype on the device (an fp32 master filled from its bf16 parameter): copied as it is into
+            # host memory of its own and cast there once the copies finished, so no device memory is needed.
+            staging = self._backend.empty_host(local.numel(), local.dtype, mode=self._host_memory).view(local.shape)
+            self._backend.copy(staging, local, stream=self._copy_stream)
+            self._casts.append((host, staging))
 
     def _finish_fills(self) -> None:
         self._backend.synchronize()
+        casts, self._casts = self._casts, []
+        for host, staging in casts:
+            host.copy_(staging)
 
     def _check_host_capacity(self, needed: int) -> None:
         """Refuse, before allocating, pinned host memory the host does not have (nothing is allocated)."""

@@ -1,0 +1,93 @@
+"""Adam and AdamW with SwapConfig(master_weights=True): bitwise the plain optimizer over fp32 masters.
+
+The reference is swap_core.testing.masters.MasterReference (the optimizer over fp32 leaf copies of
+the bf16/fp16 parameters, ``m.grad = p.grad.float()``, ``step()``, ``p.copy_(m)``), for every
+implementation torch has (single-tensor, foreach, fused) and the options that change the math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.master_weights import MASTER_KEY
+from swap_core.sim import SimBackend
+from swap_core.testing.masters import MasterReference, set_same_grads
+
+pytestmark = pytest.mark.sim_only
+
+STEPS = 10
+SHAPES = ((64, 48), (48,), (33, 17), (8,), (40, 40))
+"""(48,) and (8,) are under min_numel=64: their moments and masters stay resident on the device."""
+
+OPTIONS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adam_foreach": lambda params: torch.optim.Adam(params, lr=1e-2, foreach=True, weight_decay=0.01),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+    "adam_amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "adamw_maximize": lambda params: torch.optim.AdamW(params, lr=1e-2, maximize=True, foreach=False),
+    "adamw_tensor_lr": lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-2), foreach=False),
+}
+MODES = (("lazy", 0), ("sync", 0), ("random", 0), ("random", 1), ("random", 2))
+
+
+def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in SHAPES]
+    params[2] = torch.nn.Parameter(params[2].detach().float())  # an fp32 parameter beside them keeps no master
+    return params
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize(("mode", "seed"), MODES, ids=[f"{mode}{seed}" for mode, seed in MODES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_adam_with_master_weights_is_bitwise_the_reference(
+    option: str, dtype: torch.dtype, mode: str, seed: int, packed: bool
+) -> None:
+    factory = OPTIONS[option]
+    reference = MasterReference(_params(dtype), factory)
+    params = _params(dtype)
+    sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
+    config = SwapConfig(backend=sim, swap_times=3, min_numel=64, packed=packed, master_weights=True)
+    optimizer = swap_optimizer(factory(list(params)), config)
+    for step in range(STEPS):
+        reference.set_grads(step, params)
+        reference.step()
+        optimizer.step()
+        reference.assert_matches(optimizer, params, f"{option} {dtype} {mode}{seed} step {step}")
+    assert not sim.races, sim.races
+    assert optimizer.stats.h2d_bytes > 0
+
+
+def test_adamw_holds_12_bytes_per_bf16_parameter_in_host_memory_and_none_on_the_device() -> None:
+    params = [torch.nn.Parameter(torch.randn(1000).bfloat16()) for _ in range(4)]
+    sim = SimBackend()
+    config = SwapConfig(backend=sim, swap_times=2, packed=False, min_numel=64, master_weights=True)
+    optimizer = swap_optimizer(torch.optim.AdamW(params, lr=1e-3), config)
+    for step in range(3):
+        set_same_grads(step, params)
+        optimizer.step()
+        sim.synchronize()
+        assert sim.memory_allocated() == 0, "between steps no master or moment byte is on the device"
+    assert optimizer.stats.host_state_bytes == 12 * 4000  # master + exp_avg + exp_avg_sq, fp32 each
+    assert optimizer.stats.peak_state_device_bytes == 2 * 12 * 2000  # two batches of two parameters in flight
+    assert all(optimizer.state[param][MASTER_KEY].dtype == torch.float32 for param in params)
+
+
+def test_bf16_moments_without_master_weights_differ_from_the_reference() -> None:
+    # What master weights exist for: plain AdamW on bf16 parameters keeps bf16 moments and loses the small updates.
+    factory: Callable[[list[torch.Tensor]], Any] = OPTIONS["adamw"]
+    reference = MasterReference(_params(torch.bfloat16), factory)
+    params = _params(torch.bfloat16)
+    plain = factory(list(params))
+    for step in range(STEPS):
+        reference.set_grads(step, params)
+        reference.step()
+        plain.step()
+    assert plain.state[params[0]]["exp_avg"].dtype == torch.bfloat16
+    assert not torch.equal(reference.params[0], params[0]), "bf16 moments happened to give the fp32-master result"

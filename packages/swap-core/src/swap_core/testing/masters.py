@@ -1,0 +1,91 @@
+"""The reference a master-weights optimizer is held to, bitwise: the plain optimizer over fp32 masters.
+
+``SwapConfig(master_weights=True)`` promises the numbers of this loop, which is what a user without
+swap writes for fp32 master weights::
+
+    masters = [p.detach().float() for p in params]        # leaf copies
+    optimizer = torch.optim.AdamW(masters, ...)
+    # each step:
+    for p, m in zip(params, masters): m.grad = p.grad.float()
+    optimizer.step()
+    for p, m in zip(params, masters): p.copy_(m)           # round to nearest even
+
+:class:`MasterReference` is that loop, for any optimizer factory; fp32 parameters are stepped as
+they are (they keep no master).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..master_weights import MASTER_KEY, has_master
+from .compare import assert_bitwise_equal
+
+__all__ = ["MasterReference", "set_same_grads"]
+
+
+def set_same_grads(step: int, *param_sets: Sequence[torch.Tensor]) -> None:
+    """The same deterministic gradients for ``step`` on each of ``param_sets`` (lists of parameters of the same
+    shapes and dtypes, in the same order), each in its parameter's dtype."""
+    generator = torch.Generator().manual_seed(1_000 + step)
+    grads = [torch.randn(param.shape, generator=generator).to(param.dtype) for param in param_sets[0]]
+    for params in param_sets:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+
+
+class MasterReference:
+    """A plain optimizer over fp32 leaf copies of the low-precision ``params``, stepped as above."""
+
+    def __init__(
+        self, params: Sequence[torch.Tensor], make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    ) -> None:
+        self.params = list(params)
+        self.masters = [param.detach().float() if has_master(param) else param for param in self.params]
+        for master, param in zip(self.masters, self.params, strict=True):
+            if master is not param:
+                master.requires_grad_(param.requires_grad)
+        self.optimizer = make_optimizer(self.masters)
+
+    def set_grads(self, step: int, *others: Sequence[torch.Tensor]) -> None:
+        """:func:`set_same_grads` on the reference's parameters and on each of ``others``."""
+        set_same_grads(step, self.params, *others)
+
+    def step(self) -> None:
+        """Gradients to the masters (upcast), the plain optimizer's step, parameters from the masters."""
+        for param, master in zip(self.params, self.masters, strict=True):
+            if master is not param:
+                master.grad = None if param.grad is None else param.grad.float()
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters, strict=True):
+                if master is not param:
+                    param.copy_(master)
+
+    def assert_matches(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], where: str) -> None:
+        """``params`` (the swapped optimizer's, in this reference's order) and their states in ``optimizer``
+        are bitwise the reference's parameters and states, masters included."""
+        synchronize = getattr(optimizer, "synchronize", None)
+        if callable(synchronize):
+            synchronize()
+        for index, (expected, actual) in enumerate(zip(self.params, params, strict=True)):
+            assert_bitwise_equal(expected, actual, f"{where}: parameter {index}")
+            expected_state = self.state_of(expected)
+            actual_state = optimizer.state.get(actual, {})
+            assert sorted(actual_state) == sorted(expected_state), (
+                f"{where}: parameter {index} has state keys {sorted(actual_state)}, expected {sorted(expected_state)}"
+            )
+            for key, value in expected_state.items():
+                assert_bitwise_equal(value, actual_state[key], f"{where}: {key!r} of parameter {index}")
+
+    def state_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """The reference optimizer's state of ``param`` (of its master), with the master under ``"master_param"``."""
+        index = next(index for index, known in enumerate(self.params) if known is param)
+        master = self.masters[index]
+        state = dict(self.optimizer.state.get(master, {}))
+        if master is not param and state:
+            state[MASTER_KEY] = master.detach()
+        return state

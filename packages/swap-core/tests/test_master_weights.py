@@ -1,0 +1,260 @@
+"""SwapConfig(master_weights=True): fp32 masters of bf16/fp16 parameters as swapped state, bitwise the reference.
+
+The reference (swap_core.testing.masters.MasterReference) is the plain optimizer over fp32 leaf
+copies of the low-precision parameters, each step ``m.grad = p.grad.float()``, ``step()``,
+``p.copy_(m)``. Here the family is core's RMSprop; swap-adam's tests hold Adam and AdamW to the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.errors import StateDictMismatchError, SwapStateError, UnsupportedOptimizerError
+from swap_core.master_weights import MASTER_KEY, master_state_dict
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+from swap_core.testing.conformance import SIM_MODES, through_torch_save
+from swap_core.testing.masters import MasterReference, set_same_grads
+
+pytestmark = pytest.mark.sim_only
+
+SHAPES_AND_DTYPES = (
+    ((32, 40), torch.bfloat16),
+    ((40,), torch.bfloat16),  # under min_numel=64: its states and master stay resident on the device
+    ((24, 24), torch.float32),  # keeps no master
+    ((30, 30), torch.float16),
+    ((16, 8), torch.bfloat16),
+)
+STEPS = 10
+Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def rmsprop(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.RMSprop(params, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.01)
+
+
+def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape, dtype in SHAPES_AND_DTYPES]
+
+
+def swapped(
+    params: list[torch.nn.Parameter], backend: SimBackend, factory: Factory = rmsprop, **options: Any
+) -> SwapOptimizer:
+    config = SwapConfig(backend=backend, swap_times=2, min_numel=64, master_weights=True, **options)
+    return swap_optimizer(factory(list(params)), config)
+
+
+def assert_matches_reference(reference: MasterReference, optimizer: SwapOptimizer, where: str) -> None:
+    reference.assert_matches(optimizer, optimizer.param_groups[0]["params"], where)
+
+
+def train(reference: MasterReference, optimizer: SwapOptimizer, steps: range) -> None:
+    for step in steps:
+        reference.set_grads(step, optimizer.param_groups[0]["params"])
+        reference.step()
+        optimizer.step()
+
+
+# -- bitwise the reference -------------------------------------------------------------------
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize(("mode", "seed"), SIM_MODES, ids=[f"{mode}{seed}" for mode, seed in SIM_MODES])
+def test_masters_step_bitwise_as_the_plain_optimizer_over_fp32_masters(mode: str, seed: int, packed: bool) -> None:
+    sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
+    reference = MasterReference(make_params(), rmsprop)
+    optimizer = swapped(make_params(), sim, packed=packed)
+    for step in range(STEPS):
+        train(reference, optimizer, range(step, step + 1))
+        assert_matches_reference(reference, optimizer, f"{mode}{seed} step {step}")
+    assert not sim.races, sim.races
+
+
+def test_states_and_masters_are_fp32_and_the_params_keep_their_dtype() -> None:
+    params = make_params()
+    optimizer = swapped(params, SimBackend())
+    set_same_grads(0, params)
+    optimizer.step()
+    for param, (_, dtype) in zip(params, SHAPES_AND_DTYPES, strict=True):
+        assert param.dtype == dtype
+        state = optimizer.state[param]
+        assert (MASTER_KEY in state) is (dtype != torch.float32)
+        assert {state[key].dtype for key in ("square_avg", "momentum_buffer", "grad_avg")} == {torch.float32}
+        if MASTER_KEY in state:
+            assert state[MASTER_KEY].dtype == torch.float32 and state[MASTER_KEY].shape == param.shape
+            assert torch.equal(state[MASTER_KEY].to(dtype), param.detach()), "the parameter is its master, rounded"
+
+
+# -- memory, exact on the simulator ----------------------------------------------------------------
+def test_between_steps_no_master_or_swapped_state_byte_is_on_the_device() -> None:
+    sim = SimBackend()
+    params = make_params()
+    optimizer = swapped(params, sim, packed=False)
+    for step in range(3):
+        set_same_grads(step, params)
+        optimizer.step()
+        sim.synchronize()
+        assert sim.memory_allocated() == optimizer.stats.resident_state_device_bytes
+    swapped_numel = sum(param.numel() for param in params if param.numel() >= 64)
+    low_precision_numel = sum(param.numel() for param in params if param.numel() >= 64 and param.dtype != torch.float32)
+    # Per parameter: RMSprop's square_avg, momentum_buffer, grad_avg in fp32 (12 B), and 4 B of master if bf16/fp16.
+    assert optimizer.stats.host_state_bytes == 12 * swapped_numel + 4 * low_precision_numel
+    resident = params[1]  # (40,) bf16: three states and its master stay on the device
+    assert optimizer.stats.resident_state_device_bytes == 16 * resident.numel()
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def test_a_master_checkpoint_resumes_bitwise_and_loads_into_the_plain_optimizer() -> None:
+    reference = MasterReference(make_params(), rmsprop)
+    optimizer = swapped(make_params(), SimBackend(mode="random", seed=1))
+    train(reference, optimizer, range(4))
+    checkpoint = through_torch_save(optimizer.state_dict())
+    assert checkpoint["state"][0][MASTER_KEY].dtype == torch.float32
+
+    resumed_params = [param.detach().clone().requires_grad_() for param in optimizer.param_groups[0]["params"]]
+    resumed = swapped([torch.nn.Parameter(param) for param in resumed_params], SimBackend(mode="random", seed=2))
+    resumed.load_state_dict(checkpoint)
+    assert_matches_reference(reference, resumed, "resumed")
+    train(reference, resumed, range(4, 8))
+    assert_matches_reference(reference, resumed, "resumed, 4 steps on")
+
+    # torch's own load keeps the extra key and casts every state to the parameter's dtype (documented).
+    plain_params = make_params()
+    plain = rmsprop(list(plain_params))
+    plain.load_state_dict(checkpoint)
+    assert plain.state[plain_params[0]][MASTER_KEY].dtype == torch.bfloat16
+
+
+def test_a_plain_checkpoint_loads_into_master_mode_with_masters_from_the_params() -> None:
+    plain_params = make_params()
+    plain = rmsprop(list(plain_params))
+    for step in range(3):
+        set_same_grads(step, plain_params)
+        plain.step()
+    params = [torch.nn.Parameter(param.detach().clone()) for param in plain_params]
+    optimizer = swapped(params, SimBackend())
+    with pytest.warns(UserWarning, match=r"no 'master_param' for 4 bfloat16/float16 parameter\(s\)"):
+        optimizer.load_state_dict(through_torch_save(plain.state_dict()))
+    for param, plain_param in zip(params, plain_params, strict=True):
+        state, plain_state = optimizer.state[param], plain.state[plain_param]
+        if param.dtype != torch.float32:
+            assert_bitwise_equal(param.detach().float(), state[MASTER_KEY], "master from the parameter")
+        for key in ("square_avg", "momentum_buffer", "grad_avg"):
+            assert state[key].dtype == torch.float32, "kept in fp32 beside a master"
+            assert_bitwise_equal(plain_state[key].float(), state[key], key)
+    set_same_grads(3, params)
+    optimizer.step()  # and it trains on
+
+
+def test_a_master_checkpoint_is_refused_without_master_weights_and_nothing_changes() -> None:
+    optimizer = swapped(make_params(), SimBackend())
+    set_same_grads(0, optimizer.param_groups[0]["params"])
+    optimizer.step()
+    checkpoint = through_torch_save(optimizer.state_dict())
+    params = make_params()
+    plain_mode = swap_optimizer(rmsprop(list(params)), SwapConfig(backend=SimBackend(), swap_times=2, min_numel=64))
+    set_same_grads(0, params)
+    plain_mode.step()
+    before = through_torch_save(plain_mode.state_dict())
+    with pytest.raises(StateDictMismatchError, match=r"saved with master_weights=True.*master_weights=True\)"):
+        plain_mode.load_state_dict(checkpoint)
+    assert_state_dicts_equal(before, plain_mode.state_dict(), "state after the refused load")
+
+
+def test_a_checkpoint_with_a_wrongly_shaped_master_is_refused_and_nothing_changes() -> None:
+    optimizer = swapped(make_params(), SimBackend())
+    set_same_grads(0, optimizer.param_groups[0]["params"])
+    optimizer.step()
+    checkpoint = through_torch_save(optimizer.state_dict())
+    before = through_torch_save(optimizer.state_dict())
+    checkpoint["state"][0][MASTER_KEY] = torch.zeros(3, 3)
+    with pytest.raises(StateDictMismatchError, match=r"parameter 0 .*master_param"):
+        optimizer.load_state_dict(checkpoint)
+    assert_state_dicts_equal(before, optimizer.state_dict(), "state after the refused load")
+
+
+def test_a_load_through_the_wrapped_optimizer_casting_masters_is_refused_at_the_next_step() -> None:
+    optimizer = swapped(make_params(), SimBackend())
+    params = optimizer.param_groups[0]["params"]
+    set_same_grads(0, params)
+    optimizer.step()
+    checkpoint = through_torch_save(optimizer.state_dict())
+    optimizer.optimizer.load_state_dict(checkpoint)  # torch's own load: every state cast to bf16
+    before = [param.detach().clone() for param in params]
+    set_same_grads(1, params)
+    with pytest.raises(
+        SwapStateError, match=r"'master_param' of torch.bfloat16.*load checkpoints through the SwapOptimizer"
+    ):
+        optimizer.step()
+    for param, saved in zip(params, before, strict=True):
+        assert_bitwise_equal(saved, param, "parameter after the refused step")
+
+
+# -- refused clearly -------------------------------------------------------------------------------
+def test_master_weights_on_unswapped_cpu_parameters_is_refused() -> None:
+    with pytest.raises(UnsupportedOptimizerError, match=r"master_weights=True needs a swap backend.*backend='sim'"):
+        swap_optimizer(rmsprop(list(make_params())), SwapConfig(master_weights=True))
+
+
+def test_master_weights_with_fp32_parameters_only_makes_no_master() -> None:
+    params = [torch.nn.Parameter(torch.randn(32, 32))]
+    optimizer = swap_optimizer(rmsprop(list(params)), SwapConfig(master_weights=True))  # CPU, unswapped: nothing to do
+    params[0].grad = torch.ones(32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+    assert MASTER_KEY not in optimizer.state[params[0]]
+
+
+def test_adding_a_bf16_group_to_an_unswapped_master_mode_optimizer_is_refused() -> None:
+    optimizer = swap_optimizer(rmsprop([torch.nn.Parameter(torch.randn(8))]), SwapConfig(master_weights=True))
+    with pytest.raises(UnsupportedOptimizerError, match="needs a swap backend"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(8).bfloat16())]})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_master_weights_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="master_weights"):
+        SwapConfig(master_weights="yes")  # type: ignore[arg-type]
+
+
+def test_master_state_dict_exports_the_fp32_masters_keyed_like_the_model() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    model[0].to(torch.bfloat16)
+    model[2].to(torch.float16)
+    reference_model = copy.deepcopy(model)
+    reference = MasterReference(list(reference_model.parameters()), rmsprop)
+    optimizer = swapped(list(model.parameters()), SimBackend(mode="random", seed=4))
+    for step in range(3):
+        reference.set_grads(step, list(model.parameters()))
+        reference.step()
+        optimizer.step()
+    exported = master_state_dict(model, optimizer)
+    assert list(exported) == list(model.state_dict())
+    for (name, param), master in zip(model.named_parameters(), reference.masters, strict=True):
+        assert exported[name].dtype == torch.float32 and exported[name].device.type == "cpu"
+        assert_bitwise_equal(master, exported[name], name)  # the fp32 master (the LayerNorm: its own fp32 values)
+        if param.dtype != torch.float32:
+            assert exported[name].data_ptr() != optimizer.state[param][MASTER_KEY].data_ptr(), "a copy"
+
+
+def test_master_weights_over_dtensor_parameters_are_refused_before_anything_changes() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from swap_core.testing.distributed import initialized_process_group
+
+    with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
+        mesh = init_device_mesh("cpu", (1,))
+        param = torch.nn.Parameter(distribute_tensor(torch.randn(64, 8).bfloat16(), mesh, [Shard(0)]))
+        plain = rmsprop([param])
+        with pytest.raises(UnsupportedOptimizerError, match=r"not supported yet for DTensor \(FSDP2\) parameters"):
+            swap_optimizer(plain, SwapConfig(backend=SimBackend(), master_weights=True))
+        assert not plain.state and not plain._optimizer_step_pre_hooks
+        del param, plain, mesh
