@@ -206,15 +206,15 @@ def install_with_pinned_torch(session: nox.Session, *packages: str) -> None:
     session.install("-c", str(constraints), *packages)
 
 
-THIRD_PARTY_OPTIMIZERS = ("bitsandbytes", "lion-pytorch", "schedulefree", "torchao")
+THIRD_PARTY_OPTIMIZERS = ("bitsandbytes", "lion-pytorch", "schedulefree", "torchao", "transformers")
 """Third-party optimizer packages swap-generic is checked against (``nox -s thirdparty``)."""
 
 
 @nox.session
 def thirdparty(session: nox.Session) -> None:
-    """swap-generic over bitsandbytes, lion-pytorch, schedule-free and torchao optimizers (not in plain ``nox``:
-    it downloads them). Installed under a constraint holding the pinned torch; a test whose package is absent
-    is skipped with the reason."""
+    """swap-generic over bitsandbytes, lion-pytorch, schedule-free, torchao and transformers optimizers (not in
+    plain ``nox``: it downloads them). Installed under a constraint holding the pinned torch; a test whose
+    package is absent is skipped with the reason."""
     install_workspace(session, *TEST_TOOLS)
     install_with_pinned_torch(session, *THIRD_PARTY_OPTIMIZERS)
     session.run("pytest", "packages/swap-generic/tests/test_generic_thirdparty.py", "-rs", *session.posargs)

@@ -35,7 +35,15 @@ def _schedule_free(name: str, **options: Any) -> ConformanceCase:
     return ConformanceCase(name, make)
 
 
+def _hf_adafactor(**options: Any) -> ConformanceCase:
+    optimization = pytest.importorskip("transformers.optimization")
+    return ConformanceCase(f"hf_adafactor{options}", lambda groups: optimization.Adafactor(groups, **options))
+
+
 CASES = {
+    # Hugging Face's Adafactor: factored row/column statistics for matrices, a full one for vectors, an RMS scalar.
+    "hf_adafactor_relative_step": lambda: _hf_adafactor(lr=None, relative_step=True, warmup_init=True),
+    "hf_adafactor_fixed_lr": lambda: _hf_adafactor(lr=1e-3, relative_step=False, scale_parameter=False, beta1=0.9),
     "lion": lambda: _lion(weight_decay=0.1),
     "lion_decoupled": lambda: _lion(betas=(0.95, 0.98), weight_decay=0.1, decoupled_weight_decay=True),
     # Schedule-free writes k, weight_sum, lr_max and scheduled_lr into its param groups during step().
