@@ -2,7 +2,8 @@
 
 ``nox`` runs lint, typecheck, tests (one session per package), integration, docs, build (wheels and
 sdists, checked) and install_matrix (fresh environments installing subsets of the built wheels).
-``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py);
+``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py), ``nox -s
+demo_bf16`` the same GPT in bf16 with and without master weights (examples/train_gpt_bf16.py);
 ``nox -s thirdparty`` checks swap-generic over third-party optimizers, ``nox -s integrations`` the
 training-framework recipes (both download packages); ``nox -l`` lists every session.
 Arguments after ``--`` reach the tool, e.g. ``nox -s "tests(package='swap-core')" -- --backend cuda``.
@@ -249,6 +250,14 @@ def demo(session: nox.Session) -> None:
     """
     install_workspace(session, *PLOT_TOOLS)
     session.run("python", "examples/train_gpt.py", *session.posargs)
+
+
+@nox.session
+def demo_bf16(session: nox.Session) -> None:
+    """The GPT in bf16 three ways (plain AdamW, fp32 masters, swapped with master_weights=True): the swapped run
+    must be bitwise the fp32-master one; arguments go to examples/train_gpt_bf16.py (``-- --quick``: 20 steps)."""
+    install_workspace(session, *PLOT_TOOLS)
+    session.run("python", "examples/train_gpt_bf16.py", *session.posargs)
 
 
 @nox.session

@@ -394,7 +394,12 @@ def plot_losses(plain: RunRecord, swapped: RunRecord, result: dict[str, Any], pa
     axes.plot(steps, plain.losses, color="tab:blue", linewidth=5, alpha=0.35, label="plain AdamW")
     axes.plot(steps, swapped.losses, color="tab:orange", linewidth=1.2, linestyle="--", label="swapped AdamW")
     verdict = "bitwise identical" if result["identical"] else f"DIFFERENT (max |Δ| = {result['max_abs_diff']:.3g})"
-    axes.set_title(f"Training loss of a char-level GPT on torch's own sources: {verdict}")
+    finish_loss_plot(figure, axes, f"Training loss of a char-level GPT on torch's own sources: {verdict}", path)
+
+
+def finish_loss_plot(figure: Figure, axes: Any, title: str, path: Path) -> None:
+    """Title, axis labels, grid and legend of a loss-per-step plot; saved as a PNG at ``path``."""
+    axes.set_title(title)
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy loss (nats / character)")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))

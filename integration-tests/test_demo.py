@@ -22,16 +22,17 @@ PLOTS = ("loss_curves.png", "state_memory.png", "step_timeline.png")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+def _run(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The demo as a user runs it; it must exit with status 0."""
+    completed = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, f"{script.name} failed:\n{completed.stdout}\n{completed.stderr}"
+    return completed
+
+
 @pytest.mark.slow
 def test_quick_demo_writes_plots_and_reports_identical_losses(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    completed = subprocess.run(
-        [sys.executable, str(DEMO), "--quick", "--steps", "8", "--backend", "sim", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, f"demo failed:\n{completed.stdout}\n{completed.stderr}"
+    completed = _run(DEMO, "--quick", "--steps", "8", "--backend", "sim", "--out", str(out))
     assert "loss parity: identical" in completed.stdout
 
     for name in PLOTS:
@@ -50,3 +51,29 @@ def test_quick_demo_writes_plots_and_reports_identical_losses(tmp_path: Path) ->
     assert 0 < max(memory["swapped_peak_state_device_bytes"]) < memory["plain_state_device_bytes"]
     phases = {(span["batch"], span["phase"]) for span in summary["traced_step"]["intervals"]}
     assert phases == {(batch, phase) for batch in range(4) for phase in ("h2d", "update", "d2h")}
+
+
+BF16_DEMO = DEMO.with_name("train_gpt_bf16.py")
+BF16_PLOTS = ("bf16_loss_curves.png", "bf16_device_memory.png")
+
+
+@pytest.mark.slow
+def test_bf16_demo_swapped_masters_are_bitwise_the_fp32_masters(tmp_path: Path) -> None:
+    out = tmp_path / "demo-bf16"
+    completed = _run(BF16_DEMO, "--steps", "4", "--checked", "--out", str(out))
+    assert "master-weights parity: identical" in completed.stdout
+    for name in BF16_PLOTS:
+        assert (out / name).read_bytes().startswith(PNG_SIGNATURE), f"{name} is not a PNG"
+    summary = json.loads((out / "summary.json").read_text())
+    parity = summary["parity"]
+    assert parity["losses_identical"] and parity["final_parameters_identical"] and parity["final_masters_identical"]
+    assert summary["losses"]["fp32 masters"] == summary["losses"]["swapped masters"]
+    assert summary["races"] == 0
+    device = summary["device_bytes"]
+    weights_and_grads = device["plain bf16"]["weights_and_grads"]
+    parameters = summary["parameters"]
+    assert weights_and_grads == 4 * parameters  # bf16 weight and gradient
+    assert device["fp32 masters"]["state_between"] == 16 * parameters  # master, its grad, two fp32 moments
+    # Swapped: master and two moments, 12 fp32 bytes per parameter, in host memory, or resident for small ones.
+    assert summary["host_state_bytes"] + device["swapped masters"]["state_between"] == 12 * parameters
+    assert device["swapped masters"]["state_between"] < device["plain bf16"]["state_between"]
