@@ -91,3 +91,31 @@ def test_bf16_moments_without_master_weights_differ_from_the_reference() -> None
         plain.step()
     assert plain.state[params[0]]["exp_avg"].dtype == torch.bfloat16
     assert not torch.equal(reference.params[0], params[0]), "bf16 moments happened to give the fp32-master result"
+
+
+@pytest.mark.parametrize(("mode", "seed"), MODES, ids=[f"{mode}{seed}" for mode, seed in MODES])
+def test_fp16_master_weights_with_grad_scaler_and_fused_adamw_skip_inf_steps_bitwise(mode: str, seed: int) -> None:
+    # GradScaler hands a fused optimizer the scale: the fused kernel unscales the fp32 master gradients and skips
+    # the step on inf, as it does for the reference over masters. (A non-fused optimizer has GradScaler unscale
+    # the fp16 gradients themselves, which torch refuses: "Attempting to unscale FP16 gradients".)
+    factory = OPTIONS["adamw_fused"]
+    reference = MasterReference(_params(torch.float16), factory)
+    params = _params(torch.float16)
+    config = SwapConfig(backend=SimBackend(mode=mode, seed=seed), swap_times=3, min_numel=64, master_weights=True)  # type: ignore[arg-type]
+    optimizer = swap_optimizer(factory(list(params)), config)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    for step in range(8):
+        reference.set_grads(step, params)
+        if step == 3:  # an overflow: both skip the update and halve the scale
+            reference.params[0].grad[0, 0] = params[0].grad[0, 0] = float("inf")
+        for scaler in scalers:
+            scaler.scale(torch.ones(()))  # marks the iteration as scaled (the gradients above stand for scaled ones)
+        reference.copy_grads_to_masters()
+        scalers[0].step(reference.optimizer)
+        reference.copy_masters_to_params()
+        scalers[1].step(optimizer)
+        for scaler in scalers:
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+        reference.assert_matches(optimizer, params, f"{mode}{seed} step {step}")
+    assert scalers[1].get_scale() == 2.0**9

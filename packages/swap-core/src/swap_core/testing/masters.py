@@ -56,10 +56,18 @@ class MasterReference:
 
     def step(self) -> None:
         """Gradients to the masters (upcast), the plain optimizer's step, parameters from the masters."""
+        self.copy_grads_to_masters()
+        self.optimizer.step()
+        self.copy_masters_to_params()
+
+    def copy_grads_to_masters(self) -> None:
+        """``m.grad = p.grad.float()`` (the first third of :meth:`step`, for a caller stepping through a GradScaler)."""
         for param, master in zip(self.params, self.masters, strict=True):
             if master is not param:
                 master.grad = None if param.grad is None else param.grad.float()
-        self.optimizer.step()
+
+    def copy_masters_to_params(self) -> None:
+        """``p.copy_(m)``, round to nearest even (the last third of :meth:`step`)."""
         with torch.no_grad():
             for param, master in zip(self.params, self.masters, strict=True):
                 if master is not param:
