@@ -20,12 +20,16 @@ from swap_core.testing.distributed import destroy_process_groups
 from swap_core.torch_compat import (
     HOOK_REGISTRIES,
     MODULES_BINDING_THE_DEFAULT_GROUP,
+    TorchDispatchMode,
     hook_registries_set_aside,
     import_modules_binding_the_default_group,
+    op_schema,
+    profiler_enabled,
     registered_process_groups,
     release_device_mesh_groups,
     share_hook_registries,
     step_hooks_silenced,
+    storage_id,
 )
 
 
@@ -175,3 +179,31 @@ def test_step_hooks_silenced_empties_instance_and_global_hooks_and_restores_them
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_storage_id_names_a_storage_across_resize_and_views() -> None:
+    tensor = torch.zeros(16)
+    key = storage_id(tensor.untyped_storage())
+    assert storage_id(tensor[4:].untyped_storage()) == key  # a view shares the storage
+    tensor.untyped_storage().resize_(0)
+    assert storage_id(tensor.untyped_storage()) == key  # released, the same storage
+    other = torch.zeros(16)
+    assert storage_id(other.untyped_storage()) != key
+
+
+def test_profiler_enabled_follows_torchs_profiler() -> None:
+    assert profiler_enabled() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert profiler_enabled() is True
+    assert profiler_enabled() is False
+
+
+def test_op_schema_reads_writes_views_and_host_results() -> None:
+    add_ = op_schema(torch.ops.aten.add_.Tensor)
+    assert (add_.name, add_.packet, add_.is_view) == ("aten::add_.Tensor", "add_", False)
+    assert add_.written_arguments == ((0, "self"),) and not add_.returns_non_tensor
+    foreach = op_schema(torch.ops.aten._foreach_add_.Scalar)
+    assert foreach.written_arguments == ((0, "self"),)  # a Tensor(a!)[] list
+    assert op_schema(torch.ops.aten.view.default).is_view
+    assert op_schema(torch.ops.aten.item.default).returns_non_tensor
+    assert issubclass(TorchDispatchMode, object) and hasattr(TorchDispatchMode, "__torch_dispatch__")

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 from torch.optim.adam import adam
-from torch.optim.optimizer import _default_to_fused_or_foreach, _device_dtype_check_for_fused, _get_scalar_dtype
 
 from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.adapters.registry import AdapterRegistry
 
+from .torch_compat import default_to_fused_or_foreach, device_dtype_check_for_fused, get_scalar_dtype
 from .validation import check_group, check_optimizer
 
 __all__ = ["AdamAdapter", "register"]
@@ -49,12 +49,12 @@ class AdamAdapter(StateSwapAdapter):
         check_group(group, self._group_index(group), type(self.optimizer))
         fused = group["fused"]
         if fused:
-            _device_dtype_check_for_fused(param)
+            device_dtype_check_for_fused(param)
         # torch keeps `step` on the CPU unless capturable or fused, which need it beside the params.
         if group["capturable"] or fused:
-            step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=param.device)  # type: ignore[no-untyped-call]
+            step = torch.zeros((), dtype=get_scalar_dtype(is_fused=fused), device=param.device)
         else:
-            step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")  # type: ignore[no-untyped-call]
+            step = torch.tensor(0.0, dtype=get_scalar_dtype(), device="cpu")
         state: dict[str, torch.Tensor | StateInit] = {
             "step": step,
             "exp_avg": StateInit.zeros_like(param),
@@ -132,7 +132,7 @@ def _group_foreach(group: dict[str, Any]) -> bool | None:
     if foreach is not None or group["fused"] is not None:
         return foreach
     with_grad = [param for param in group["params"] if param.grad is not None]
-    _, foreach = _default_to_fused_or_foreach(with_grad, group["differentiable"], use_fused=False)
+    _, foreach = default_to_fused_or_foreach(with_grad, group["differentiable"], use_fused=False)
     # adam() keeps single-tensor Adam for a tensor lr without capturable; so must an explicit choice.
     if foreach and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
         foreach = False

@@ -10,27 +10,36 @@ Checked against torch 2.13.0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 import torch.optim.optimizer as torch_optimizer
+from torch.utils._python_dispatch import TorchDispatchMode  # the base of the simulator's op checks
 
 __all__ = [
     "HOOK_REGISTRIES",
     "MODULES_BINDING_THE_DEFAULT_GROUP",
+    "OpOverload",
+    "OpSchema",
     "TorchCompatError",
+    "TorchDispatchMode",
     "hook_registries_set_aside",
     "import_modules_binding_the_default_group",
     "note_step_for_lr_schedulers",
+    "op_schema",
+    "profiler_enabled",
     "registered_process_groups",
     "release_device_mesh_groups",
     "share_hook_registries",
     "step_hooks_silenced",
+    "storage_id",
 ]
 
 MODULES_BINDING_THE_DEFAULT_GROUP = (
@@ -42,6 +51,54 @@ MODULES_BINDING_THE_DEFAULT_GROUP = (
 
 Imported after ``init_process_group`` (``torch.distributed.fsdp`` imports the first one on its
 way), they hold that group for the life of the process. Checked: torch 2.13."""
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """The identity of a storage, stable across ``resize_``: ``UntypedStorage._cdata``, the address of its
+    ``StorageImpl`` (checked: torch 2.13). The simulator keys its memory records by it."""
+    return int(storage._cdata)
+
+
+OpOverload: TypeAlias = torch._ops.OpOverload
+"""The type of one op overload a dispatch mode sees (``torch._ops.OpOverload``; checked: torch 2.13)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSchema:
+    """What the schema of one op overload says, read from torch's private ``OpOverload._schema``."""
+
+    name: str
+    """``func._name``, e.g. ``aten::add_.Tensor``."""
+    packet: str
+    """The overload packet's name, e.g. ``add_``."""
+    is_view: bool
+    written_arguments: tuple[tuple[int, str], ...]
+    """(position, name) of each argument the op writes (``Tensor(a!)``, ``Tensor(a!)[]``)."""
+    returns_non_tensor: bool
+    """Whether some result is not a tensor (e.g. ``aten::item``: a value read back to the host)."""
+
+
+def op_schema(func: OpOverload) -> OpSchema:
+    """:class:`OpSchema` of ``func``: its ``_schema`` arguments' alias info and return types (checked: torch 2.13)."""
+    schema = func._schema
+    written = tuple(
+        (index, arg.name)
+        for index, arg in enumerate(schema.arguments)
+        if arg.alias_info is not None and bool(arg.alias_info.is_write)
+    )
+    return OpSchema(
+        name=func._name,
+        packet=func.overloadpacket.__name__,
+        is_view=bool(func.is_view),
+        written_arguments=written,
+        returns_non_tensor=any("Tensor" not in str(ret.type) for ret in schema.returns),
+    )
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler runs (``torch.profiler.profile``, ``emit_nvtx``, ``emit_itt``): the flag
+    ``torch.autograd.profiler._is_profiler_enabled`` they set, which torch's own code reads (checked: torch 2.13)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
 class TorchCompatError(RuntimeError):

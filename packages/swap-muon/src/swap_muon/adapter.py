@@ -1,7 +1,7 @@
 """Adapter for ``torch.optim.Muon``: its ``momentum_buffer`` lives in host memory between steps.
 
-Each batch runs through ``torch.optim._muon.muon``, the function ``Muon.step``
-calls, with exactly the keyword arguments ``step`` passes, on the batch's subset
+Each batch runs through ``torch.optim._muon.muon`` (fenced in :mod:`swap_muon.torch_compat`), the
+function ``Muon.step`` calls, with exactly the keyword arguments ``step`` passes, on the batch's subset
 of parameters. Muon updates every parameter independently (momentum, then
 Newton-Schulz on that one matrix, then the step), so a subset update is bitwise
 the update of the whole group.
@@ -16,9 +16,10 @@ import torch
 from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.adapters.registry import AdapterRegistry
 
+from .torch_compat import muon  # first: names the torch that lacks Muon
+
 try:
     from torch.optim import Muon
-    from torch.optim._muon import muon
 except ImportError as error:  # pragma: no cover - depends on the installed torch
     raise ImportError(
         f"swap-muon adapts torch.optim.Muon, which torch {torch.__version__} does not have; install torch>=2.9"

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.optim import Muon
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from swap_core import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.errors import UnsupportedOptimizerError
@@ -32,6 +31,7 @@ from .owner_checkpoint import gather_owner_momentum, scatter_owner_momentum
 from .owner_plan import OwnerPlan, plan_owners, state_bytes
 from .row_exchange import gather_rows_to_owners, scatter_rows_from_owners
 from .shard_group import ShardGroup, shard_group_of
+from .torch_compat import adjust_lr, zeropower_via_newtonschulz
 
 __all__ = ["DistributedMuonAdapter", "PlanMismatchError", "ShardGroup", "shard_group_of"]
 
@@ -92,7 +92,7 @@ class DistributedMuonAdapter(StateSwapAdapter):
         ]
         local_updates = self._scatter_from_owners(batch.params, updates)
         for param, local_update in zip(batch.params, local_updates, strict=True):
-            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+            adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], param.shape)
             local = param.to_local()  # type: ignore[attr-defined]
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(local_update, alpha=-adjusted_lr)
@@ -136,7 +136,10 @@ def _owner_update(full_grad: torch.Tensor, buffer: torch.Tensor, group: dict[str
     """The momentum step and orthogonalization of ``torch.optim.Muon``, on the whole matrix."""
     buffer.lerp_(full_grad, 1 - group["momentum"])
     update = full_grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-    return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    orthogonalized: torch.Tensor = zeropower_via_newtonschulz(
+        update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+    )
+    return orthogonalized
 
 
 def _kinds(params: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -28,6 +28,7 @@ import torch
 from ..backends.protocol import DeviceBackend, Event, Stream
 from ..errors import SwapStateError
 from ..stats import SwapStats
+from ..torch_compat import profiler_enabled
 from ..trace import StepTrace, TraceInterval
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
@@ -239,7 +240,7 @@ def _profiler_range(name: str) -> contextlib.AbstractContextManager[object]:
     and a step opens three per batch. torch's own code (dynamo) reads the same flag, which every
     profiler (``torch.profiler.profile``, ``emit_nvtx``, ``emit_itt``) sets while it runs.
     """
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_enabled():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
 

@@ -29,6 +29,7 @@ from swap_core.backends.host_memory import (
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import spans_whole_storage
 from swap_core.errors import SimPageableCopyError, SimUseAfterFreeError
+from swap_core.torch_compat import storage_id
 
 from .checks import ComputeCheckMode, ComputeOpChecker
 from .copy_stats import CopyStats
@@ -339,8 +340,8 @@ class SimBackend:
             self._tick()
         sim_stream = self._own_stream(stream)
         records = self._registry.records
-        dst_record = records.get(dst.untyped_storage()._cdata)
-        src_record = records.get(src.untyped_storage()._cdata)
+        dst_record = records.get(storage_id(dst.untyped_storage()))
+        src_record = records.get(storage_id(src.untyped_storage()))
         direction = _copy_direction(dst, src, dst_record, src_record)
         nbytes = dst.numel() * dst.element_size()
         fault = self._fault

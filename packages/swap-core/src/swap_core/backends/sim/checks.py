@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from swap_core.errors import SimMixedDeviceError, SimUseAfterFreeError
+from swap_core.torch_compat import OpOverload, TorchDispatchMode, op_schema, storage_id
 
 from .memory import MemoryKind, MemoryRegistry, StorageRecord, byte_span
 from .race_checker import COMPUTE_AGENT, HOST_AGENT, AccessRequest, RaceChecker
@@ -82,33 +82,23 @@ class OpAccessPattern:
     returns_host_value: bool
 
 
-_patterns: dict[torch._ops.OpOverload, OpAccessPattern] = {}
+_patterns: dict[OpOverload, OpAccessPattern] = {}
 
 
-def op_access_pattern(func: torch._ops.OpOverload) -> OpAccessPattern:
+def op_access_pattern(func: OpOverload) -> OpAccessPattern:
     """Which arguments ``func`` mutates (``Tensor(a!)`` and ``Tensor(a!)[]``), cached per overload."""
     pattern = _patterns.get(func)
     if pattern is None:
-        schema = func._schema
-        writes = [(index, arg.name) for index, arg in enumerate(schema.arguments) if _is_write(arg)]
+        schema = op_schema(func)
         pattern = OpAccessPattern(
-            name=func._name,
-            touches_data=not (func.is_view or func.overloadpacket.__name__ in _NO_DATA_ACCESS_OPS),
-            write_positions=frozenset(index for index, _ in writes),
-            write_names=frozenset(name for _, name in writes),
-            returns_host_value=any(not _is_tensor_type(ret.type) for ret in schema.returns),
+            name=schema.name,
+            touches_data=not (schema.is_view or schema.packet in _NO_DATA_ACCESS_OPS),
+            write_positions=frozenset(index for index, _ in schema.written_arguments),
+            write_names=frozenset(name for _, name in schema.written_arguments),
+            returns_host_value=schema.returns_non_tensor,
         )
         _patterns[func] = pattern
     return pattern
-
-
-def _is_write(arg: torch._C.Argument) -> bool:
-    alias_info = arg.alias_info
-    return alias_info is not None and bool(alias_info.is_write)
-
-
-def _is_tensor_type(jit_type: torch._C.JitType) -> bool:
-    return "Tensor" in str(jit_type)
 
 
 def _tensor_arguments(
@@ -152,7 +142,7 @@ class ComputeOpChecker:
             except (RuntimeError, NotImplementedError):  # wrapper subclasses have no storage of their own
                 continue
             lo, hi = byte_span(tensor)
-            key = int(storage._cdata)
+            key = storage_id(storage)
             record = self._registry.lookup(key)
             if storage.nbytes() < hi:
                 raise SimUseAfterFreeError(_use_after_free_message(pattern.name, tensor, record, hi, storage.nbytes()))
@@ -220,7 +210,7 @@ class ComputeCheckMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # t
 
     def __torch_dispatch__(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         types: Sequence[type],
         args: Sequence[object] = (),
         kwargs: Mapping[str, object] | None = None,

@@ -1,13 +1,12 @@
 """Which CPU storages the simulator treats as host or device memory, and how many device bytes are live.
 
-Storages are keyed by their StorageImpl address (``untyped_storage()._cdata``), which
-stays the same across ``resize_``, so a storage released and restored keeps its
-identity. A record is dropped when the tensor that registered it is garbage
-collected (``weakref.finalize``): the address may then be reused by an unrelated
-storage, which must start as a plain tensor with no history. Views keep their
-``_base`` alive, so a view in use keeps its record; an alias made without ``_base``
-(``detach()``, ``set_``) does not, and its storage then becomes plain (fewer checks,
-never a false report).
+Storages are keyed by their StorageImpl address (:func:`swap_core.torch_compat.storage_id`), which
+stays the same across ``resize_``, so a storage released and restored keeps its identity. A record is
+dropped when the tensor that registered it is garbage collected (``weakref.finalize``): the address
+may then be reused by an unrelated storage, which must start as a plain tensor with no history. Views
+keep their ``_base`` alive, so a view in use keeps its record; an alias made without ``_base``
+(``detach()``, ``set_``) does not, and its storage then becomes plain (fewer checks, never a false
+report).
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from ...torch_compat import storage_id
 
 __all__ = [
     "HOST_KINDS",
@@ -68,7 +69,7 @@ class StorageRecord:
 
 def storage_key(tensor: torch.Tensor) -> int:
     """The identity of ``tensor``'s storage, stable across ``resize_``."""
-    return int(tensor.untyped_storage()._cdata)
+    return storage_id(tensor.untyped_storage())
 
 
 def byte_span(tensor: torch.Tensor) -> tuple[int, int]:

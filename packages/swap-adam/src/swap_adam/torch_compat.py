@@ -1,0 +1,44 @@
+"""The private torch APIs swap-adam relies on, fenced in one module.
+
+``AdamAdapter`` runs torch's own Adam (``torch.optim.adam.adam``, public) with the arguments
+``Adam.step`` passes, and decides them as ``Adam.step`` does, with three helpers of
+``torch.optim.optimizer`` that have no public equivalent: the foreach/fused default, the fused
+device and dtype check, and the dtype of the ``step`` counter. Checked against torch 2.13.0; when
+torch moves one, importing swap-adam raises :class:`~swap_core.torch_compat.TorchCompatError`
+naming it (``tests/test_adam_torch_compat.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.optim.optimizer as torch_optimizer
+
+from swap_core.torch_compat import TorchCompatError
+
+__all__ = ["PRIVATE_HELPERS", "default_to_fused_or_foreach", "device_dtype_check_for_fused", "get_scalar_dtype"]
+
+PRIVATE_HELPERS = ("_default_to_fused_or_foreach", "_device_dtype_check_for_fused", "_get_scalar_dtype")
+"""The functions of ``torch.optim.optimizer`` used (checked: torch 2.13)."""
+
+
+def _helper(name: str) -> Callable[..., Any]:
+    function = getattr(torch_optimizer, name, None)
+    if not callable(function):
+        raise TorchCompatError(
+            f"torch {torch.__version__} has no torch.optim.optimizer.{name} (checked: torch 2.13), which swap-adam "
+            "calls to decide Adam's arguments as Adam.step does; swap_adam.torch_compat needs updating for this torch"
+        )
+    return cast("Callable[..., Any]", function)
+
+
+default_to_fused_or_foreach = _helper("_default_to_fused_or_foreach")
+"""``(tensors, differentiable, use_fused) -> (fused, foreach)``: torch's default implementation choice."""
+
+device_dtype_check_for_fused = _helper("_device_dtype_check_for_fused")
+"""Raises as ``Adam(fused=True)`` does for a parameter the fused kernel does not support."""
+
+get_scalar_dtype = _helper("_get_scalar_dtype")
+"""The dtype torch gives the ``step`` counter (``is_fused=...``)."""

@@ -1,0 +1,47 @@
+"""The private torch APIs swap-muon relies on, fenced in one module.
+
+torch keeps Muon's math in the private module ``torch.optim._muon``: ``muon`` (the function
+``Muon.step`` calls, which ``MuonAdapter`` runs per batch), and ``_zeropower_via_newtonschulz`` and
+``_adjust_lr`` (which distributed Muon runs on the owner rank's whole matrix). Checked against
+torch 2.13.0; when torch moves one, importing swap-muon raises an ``ImportError`` naming it
+(``tests/test_muon_torch_compat.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+__all__ = ["PRIVATE_FUNCTIONS", "adjust_lr", "muon", "zeropower_via_newtonschulz"]
+
+PRIVATE_FUNCTIONS = ("muon", "_zeropower_via_newtonschulz", "_adjust_lr")
+"""The functions of ``torch.optim._muon`` used (checked: torch 2.13)."""
+
+
+def _function(name: str) -> Callable[..., Any]:
+    try:
+        module = importlib.import_module("torch.optim._muon")
+    except ImportError as error:  # pragma: no cover - depends on the installed torch
+        raise ImportError(
+            f"swap-muon adapts torch.optim.Muon, which torch {torch.__version__} does not have; install torch>=2.9"
+        ) from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ImportError(
+            f"torch {torch.__version__} has no torch.optim._muon.{name} (checked: torch 2.13), which swap-muon "
+            "runs as Muon.step does; swap_muon.torch_compat needs updating for this torch"
+        )
+    return cast("Callable[..., Any]", function)
+
+
+muon = _function("muon")
+"""``torch.optim._muon.muon``: Muon's update of a list of parameters, as ``Muon.step`` calls it."""
+
+zeropower_via_newtonschulz = _function("_zeropower_via_newtonschulz")
+"""Newton-Schulz orthogonalization of one matrix, with Muon's coefficients, steps and eps."""
+
+adjust_lr = _function("_adjust_lr")
+"""Muon's learning-rate adjustment for a matrix's shape (``adjust_lr_fn``)."""
