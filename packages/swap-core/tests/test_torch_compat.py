@@ -20,10 +20,12 @@ from swap_core.testing.distributed import destroy_process_groups
 from swap_core.torch_compat import (
     HOOK_REGISTRIES,
     MODULES_BINDING_THE_DEFAULT_GROUP,
+    TorchCompatError,
     TorchDispatchMode,
     hook_registries_set_aside,
     import_modules_binding_the_default_group,
     op_schema,
+    private_function,
     profiler_enabled,
     registered_process_groups,
     release_device_mesh_groups,
@@ -207,3 +209,13 @@ def test_op_schema_reads_writes_views_and_host_results() -> None:
     assert op_schema(torch.ops.aten.view.default).is_view
     assert op_schema(torch.ops.aten.item.default).returns_non_tensor
     assert issubclass(TorchDispatchMode, object) and hasattr(TorchDispatchMode, "__torch_dispatch__")
+
+
+def test_private_function_finds_torchs_function_or_names_what_moved() -> None:
+    found = private_function("torch.optim.optimizer", "_get_scalar_dtype", user="a test")
+    assert found is torch_optimizer._get_scalar_dtype
+    moved = r"no torch\.optim\.optimizer\._gone \(checked: torch 2\.13\), which a test"
+    with pytest.raises(TorchCompatError, match=moved):
+        private_function("torch.optim.optimizer", "_gone", user="a test")
+    with pytest.raises(TorchCompatError, match=r"no torch\._no_such_module\.f"):
+        private_function("torch._no_such_module", "f", user="a test")

@@ -11,12 +11,9 @@ naming it (``tests/test_adam_torch_compat.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import torch
-import torch.optim.optimizer as torch_optimizer
-
-from swap_core.torch_compat import TorchCompatError
+from swap_core.torch_compat import private_function
 
 __all__ = ["PRIVATE_HELPERS", "default_to_fused_or_foreach", "device_dtype_check_for_fused", "get_scalar_dtype"]
 
@@ -25,13 +22,7 @@ PRIVATE_HELPERS = ("_default_to_fused_or_foreach", "_device_dtype_check_for_fuse
 
 
 def _helper(name: str) -> Callable[..., Any]:
-    function = getattr(torch_optimizer, name, None)
-    if not callable(function):
-        raise TorchCompatError(
-            f"torch {torch.__version__} has no torch.optim.optimizer.{name} (checked: torch 2.13), which swap-adam "
-            "calls to decide Adam's arguments as Adam.step does; swap_adam.torch_compat needs updating for this torch"
-        )
-    return cast("Callable[..., Any]", function)
+    return private_function("torch.optim.optimizer", name, user="swap-adam calls to decide Adam's arguments")
 
 
 default_to_fused_or_foreach = _helper("_default_to_fused_or_foreach")

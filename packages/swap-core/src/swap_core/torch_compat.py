@@ -15,8 +15,8 @@ import gc
 import importlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import TypeAlias
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ __all__ = [
     "import_modules_binding_the_default_group",
     "note_step_for_lr_schedulers",
     "op_schema",
+    "private_function",
     "profiler_enabled",
     "registered_process_groups",
     "release_device_mesh_groups",
@@ -103,6 +104,24 @@ def profiler_enabled() -> bool:
 
 class TorchCompatError(RuntimeError):
     """A private torch API that swap relies on has moved; the message names it and the versions checked."""
+
+
+def private_function(module: str, name: str, *, user: str, checked: str = "torch 2.13") -> Callable[..., Any]:
+    """``module.name``, a private torch function a swap package calls, or :class:`TorchCompatError` naming it.
+
+    For the ``torch_compat`` module of each package: ``user`` says who calls it and why, for the message
+    a user sees when torch has moved it (checked against ``checked``).
+    """
+    try:
+        function = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        function = None
+    if not callable(function):
+        raise TorchCompatError(
+            f"torch {torch.__version__} has no {module}.{name} (checked: {checked}), which {user}; "
+            "this swap release needs a torch it was checked against"
+        )
+    return cast("Callable[..., Any]", function)
 
 
 def import_modules_binding_the_default_group() -> None:

@@ -16,14 +16,14 @@ import torch
 from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.adapters.registry import AdapterRegistry
 
-from .torch_compat import muon  # first: names the torch that lacks Muon
-
 try:
     from torch.optim import Muon
 except ImportError as error:  # pragma: no cover - depends on the installed torch
     raise ImportError(
         f"swap-muon adapts torch.optim.Muon, which torch {torch.__version__} does not have; install torch>=2.9"
     ) from error
+
+from .torch_compat import muon
 
 __all__ = ["MuonAdapter", "register"]
 

@@ -3,17 +3,17 @@
 torch keeps Muon's math in the private module ``torch.optim._muon``: ``muon`` (the function
 ``Muon.step`` calls, which ``MuonAdapter`` runs per batch), and ``_zeropower_via_newtonschulz`` and
 ``_adjust_lr`` (which distributed Muon runs on the owner rank's whole matrix). Checked against
-torch 2.13.0; when torch moves one, importing swap-muon raises an ``ImportError`` naming it
+torch 2.13.0; when torch moves one, importing swap-muon raises
+:class:`~swap_core.torch_compat.TorchCompatError` naming it
 (``tests/test_muon_torch_compat.py``).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import torch
+from swap_core.torch_compat import private_function
 
 __all__ = ["PRIVATE_FUNCTIONS", "adjust_lr", "muon", "zeropower_via_newtonschulz"]
 
@@ -22,19 +22,7 @@ PRIVATE_FUNCTIONS = ("muon", "_zeropower_via_newtonschulz", "_adjust_lr")
 
 
 def _function(name: str) -> Callable[..., Any]:
-    try:
-        module = importlib.import_module("torch.optim._muon")
-    except ImportError as error:  # pragma: no cover - depends on the installed torch
-        raise ImportError(
-            f"swap-muon adapts torch.optim.Muon, which torch {torch.__version__} does not have; install torch>=2.9"
-        ) from error
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ImportError(
-            f"torch {torch.__version__} has no torch.optim._muon.{name} (checked: torch 2.13), which swap-muon "
-            "runs as Muon.step does; swap_muon.torch_compat needs updating for this torch"
-        )
-    return cast("Callable[..., Any]", function)
+    return private_function("torch.optim._muon", name, user="swap-muon runs as Muon.step does")
 
 
 muon = _function("muon")
