@@ -3,7 +3,7 @@
 # no network: every package's tests with --backend BACKEND, exact versus caching pinned bandwidth
 # (tools/pinned_bandwidth.py), then swap-bench on it.
 #
-#   tools/device-check.sh --wheels            # here (with network): build the four wheels into .whl/
+#   tools/device-check.sh --wheels            # here (with network): build our wheels into .whl/
 #   tools/device-check.sh [BACKEND] [PYTEST_ARGS...]
 #                                              # there: install .whl/ beside the machine's torch, run
 #
@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-packages=(swap-core swap-adam swap-muon swap-ckpt)
+packages=(swap-core swap-adam swap-muon swap-generic swap-ckpt)
 
 if [[ "${1:-}" == "--wheels" ]]; then
     rm -rf .whl && mkdir -p .whl
@@ -38,7 +38,7 @@ if [[ ! -e "${wheels[0]}" ]]; then
     echo "no wheels in .whl/: run 'tools/device-check.sh --wheels' first (where pip can reach PyPI)" >&2
     exit 2
 fi
-# --no-deps: torch, rich and the test tools are the machine's own; only our four packages travel.
+# --no-deps: torch, rich and the test tools are the machine's own; only our packages travel.
 python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "${wheels[@]}" || exit
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 

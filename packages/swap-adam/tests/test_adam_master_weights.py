@@ -17,8 +17,7 @@ from swap_core import SwapConfig, swap_optimizer
 from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.masters import MasterReference, set_same_grads
-
-pytestmark = pytest.mark.sim_only
+from swap_core.testing.pytest_plugin import BackendFactory
 
 STEPS = 10
 SHAPES = ((64, 48), (48,), (33, 17), (8,), (40, 40))
@@ -35,13 +34,14 @@ OPTIONS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
 MODES = (("lazy", 0), ("sync", 0), ("random", 0), ("random", 1), ("random", 2))
 
 
-def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+def _params(dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in SHAPES]
-    params[2] = torch.nn.Parameter(params[2].detach().float())  # an fp32 parameter beside them keeps no master
-    return params
+    values = [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
+    values[2] = values[2].float()  # an fp32 parameter beside them keeps no master
+    return [torch.nn.Parameter(value.to(device)) for value in values]
 
 
+@pytest.mark.sim_only
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
 @pytest.mark.parametrize(("mode", "seed"), MODES, ids=[f"{mode}{seed}" for mode, seed in MODES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -64,6 +64,7 @@ def test_adam_with_master_weights_is_bitwise_the_reference(
     assert optimizer.stats.h2d_bytes > 0
 
 
+@pytest.mark.sim_only
 def test_adamw_holds_12_bytes_per_bf16_parameter_in_host_memory_and_none_on_the_device() -> None:
     params = [torch.nn.Parameter(torch.randn(1000).bfloat16()) for _ in range(4)]
     sim = SimBackend()
@@ -93,6 +94,7 @@ def test_bf16_moments_without_master_weights_differ_from_the_reference() -> None
     assert not torch.equal(reference.params[0], params[0]), "bf16 moments happened to give the fp32-master result"
 
 
+@pytest.mark.sim_only
 @pytest.mark.parametrize(("mode", "seed"), MODES, ids=[f"{mode}{seed}" for mode, seed in MODES])
 def test_fp16_master_weights_with_grad_scaler_and_fused_adamw_skip_inf_steps_bitwise(mode: str, seed: int) -> None:
     # GradScaler hands a fused optimizer the scale: the fused kernel unscales the fp32 master gradients and skips
@@ -119,3 +121,24 @@ def test_fp16_master_weights_with_grad_scaler_and_fused_adamw_skip_inf_steps_bit
         assert scalers[0].get_scale() == scalers[1].get_scale()
         reference.assert_matches(optimizer, params, f"{mode}{seed} step {step}")
     assert scalers[1].get_scale() == 2.0**9
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("option", ["adamw", "adam_foreach", "adamw_fused"])
+def test_master_weights_on_the_selected_backend(
+    option: str, dtype: torch.dtype, swap_backend_factory: BackendFactory
+) -> None:
+    # The simulator by default; on a machine with an accelerator, --backend cuda|npu runs it there
+    # (tools/device-check.sh), the reference's masters on the same device.
+    backend = swap_backend_factory(mode="random", seed=3)
+    factory = OPTIONS[option]
+    reference = MasterReference(_params(dtype, backend.device), factory)
+    params = _params(dtype, backend.device)
+    config = SwapConfig(backend=backend, swap_times=3, min_numel=64, master_weights=True)
+    optimizer = swap_optimizer(factory(list(params)), config)
+    for step in range(STEPS):
+        reference.set_grads(step, params)
+        reference.step()
+        optimizer.step()
+    reference.assert_matches(optimizer, params, f"{option} {dtype} on {type(backend).__name__}")
+    assert optimizer.stats.h2d_bytes > 0
