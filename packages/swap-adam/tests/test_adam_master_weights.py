@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from swap_core import SwapConfig, swap_optimizer
+from swap_core import DeviceBackend, SwapConfig, swap_optimizer
 from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.masters import MasterReference, set_same_grads
@@ -41,6 +41,23 @@ def _params(dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torc
     return [torch.nn.Parameter(value.to(device)) for value in values]
 
 
+def _train_against_the_reference(
+    option: str, dtype: torch.dtype, backend: DeviceBackend, where: str, **config: Any
+) -> None:
+    """STEPS steps of OPTIONS[option], swapped with master weights and as the reference, compared after each."""
+    factory = OPTIONS[option]
+    reference = MasterReference(_params(dtype, backend.device), factory)
+    params = _params(dtype, backend.device)
+    swap = SwapConfig(backend=backend, swap_times=3, min_numel=64, master_weights=True, **config)
+    optimizer = swap_optimizer(factory(list(params)), swap)
+    for step in range(STEPS):
+        reference.set_grads(step, params)
+        reference.step()
+        optimizer.step()
+        reference.assert_matches(optimizer, params, f"{where} step {step}")
+    assert optimizer.stats.h2d_bytes > 0
+
+
 @pytest.mark.sim_only
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
 @pytest.mark.parametrize(("mode", "seed"), MODES, ids=[f"{mode}{seed}" for mode, seed in MODES])
@@ -49,19 +66,9 @@ def _params(dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torc
 def test_adam_with_master_weights_is_bitwise_the_reference(
     option: str, dtype: torch.dtype, mode: str, seed: int, packed: bool
 ) -> None:
-    factory = OPTIONS[option]
-    reference = MasterReference(_params(dtype), factory)
-    params = _params(dtype)
     sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
-    config = SwapConfig(backend=sim, swap_times=3, min_numel=64, packed=packed, master_weights=True)
-    optimizer = swap_optimizer(factory(list(params)), config)
-    for step in range(STEPS):
-        reference.set_grads(step, params)
-        reference.step()
-        optimizer.step()
-        reference.assert_matches(optimizer, params, f"{option} {dtype} {mode}{seed} step {step}")
+    _train_against_the_reference(option, dtype, sim, f"{option} {dtype} {mode}{seed}", packed=packed)
     assert not sim.races, sim.races
-    assert optimizer.stats.h2d_bytes > 0
 
 
 @pytest.mark.sim_only
@@ -131,14 +138,4 @@ def test_master_weights_on_the_selected_backend(
     # The simulator by default; on a machine with an accelerator, --backend cuda|npu runs it there
     # (tools/device-check.sh), the reference's masters on the same device.
     backend = swap_backend_factory(mode="random", seed=3)
-    factory = OPTIONS[option]
-    reference = MasterReference(_params(dtype, backend.device), factory)
-    params = _params(dtype, backend.device)
-    config = SwapConfig(backend=backend, swap_times=3, min_numel=64, master_weights=True)
-    optimizer = swap_optimizer(factory(list(params)), config)
-    for step in range(STEPS):
-        reference.set_grads(step, params)
-        reference.step()
-        optimizer.step()
-    reference.assert_matches(optimizer, params, f"{option} {dtype} on {type(backend).__name__}")
-    assert optimizer.stats.h2d_bytes > 0
+    _train_against_the_reference(option, dtype, backend, f"{option} {dtype} on {type(backend).__name__}")
