@@ -10,9 +10,6 @@ naming it (``tests/test_adam_torch_compat.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from swap_core.torch_compat import private_function
 
 __all__ = ["PRIVATE_HELPERS", "default_to_fused_or_foreach", "device_dtype_check_for_fused", "get_scalar_dtype"]
@@ -20,16 +17,14 @@ __all__ = ["PRIVATE_HELPERS", "default_to_fused_or_foreach", "device_dtype_check
 PRIVATE_HELPERS = ("_default_to_fused_or_foreach", "_device_dtype_check_for_fused", "_get_scalar_dtype")
 """The functions of ``torch.optim.optimizer`` used (checked: torch 2.13)."""
 
+_MODULE = "torch.optim.optimizer"
+_USER = "swap-adam calls to decide Adam's arguments"
 
-def _helper(name: str) -> Callable[..., Any]:
-    return private_function("torch.optim.optimizer", name, user="swap-adam calls to decide Adam's arguments")
-
-
-default_to_fused_or_foreach = _helper("_default_to_fused_or_foreach")
+default_to_fused_or_foreach = private_function(_MODULE, "_default_to_fused_or_foreach", user=_USER)
 """``(tensors, differentiable, use_fused) -> (fused, foreach)``: torch's default implementation choice."""
 
-device_dtype_check_for_fused = _helper("_device_dtype_check_for_fused")
+device_dtype_check_for_fused = private_function(_MODULE, "_device_dtype_check_for_fused", user=_USER)
 """Raises as ``Adam(fused=True)`` does for a parameter the fused kernel does not support."""
 
-get_scalar_dtype = _helper("_get_scalar_dtype")
+get_scalar_dtype = private_function(_MODULE, "_get_scalar_dtype", user=_USER)
 """The dtype torch gives the ``step`` counter (``is_fused=...``)."""

@@ -461,8 +461,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Whether every parameter already has its state (then no per-parameter scan is needed)."""
         assert self._store is not None
         plan = self._plan
-        current = plan is not None and self._plan_key == (self._store.version, self._params_version)
-        return current and plan is not None and plan.all_states_exist
+        if plan is None or self._plan_key != (self._store.version, self._params_version):
+            return False
+        return plan.all_states_exist
 
     # -- following what the user did to state and param_groups -------------------
     def _follow_edits(self, ordered: list[torch.Tensor]) -> None:

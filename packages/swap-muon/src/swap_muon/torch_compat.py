@@ -10,9 +10,6 @@ torch 2.13.0; when torch moves one, importing swap-muon raises
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from swap_core.torch_compat import private_function
 
 __all__ = ["PRIVATE_FUNCTIONS", "adjust_lr", "muon", "zeropower_via_newtonschulz"]
@@ -20,16 +17,14 @@ __all__ = ["PRIVATE_FUNCTIONS", "adjust_lr", "muon", "zeropower_via_newtonschulz
 PRIVATE_FUNCTIONS = ("muon", "_zeropower_via_newtonschulz", "_adjust_lr")
 """The functions of ``torch.optim._muon`` used (checked: torch 2.13)."""
 
+_MODULE = "torch.optim._muon"
+_USER = "swap-muon runs as Muon.step does"
 
-def _function(name: str) -> Callable[..., Any]:
-    return private_function("torch.optim._muon", name, user="swap-muon runs as Muon.step does")
-
-
-muon = _function("muon")
+muon = private_function(_MODULE, "muon", user=_USER)
 """``torch.optim._muon.muon``: Muon's update of a list of parameters, as ``Muon.step`` calls it."""
 
-zeropower_via_newtonschulz = _function("_zeropower_via_newtonschulz")
+zeropower_via_newtonschulz = private_function(_MODULE, "_zeropower_via_newtonschulz", user=_USER)
 """Newton-Schulz orthogonalization of one matrix, with Muon's coefficients, steps and eps."""
 
-adjust_lr = _function("_adjust_lr")
+adjust_lr = private_function(_MODULE, "_adjust_lr", user=_USER)
 """Muon's learning-rate adjustment for a matrix's shape (``adjust_lr_fn``)."""

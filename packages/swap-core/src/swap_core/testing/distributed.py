@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import socket
 import traceback
 import types
 import weakref
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in torch's stubs' exports
 
 from swap_core.torch_compat import (
     import_modules_binding_the_default_group,
@@ -84,7 +84,11 @@ def run_distributed(body: RankBody, world_size: int, *args: Any, timeout_s: floa
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts (first call only)
     errors = context.SimpleQueue()
-    port = _free_port()
+    # The ranks meet at a store served from here, on a port the OS assigns while the server holds it. A
+    # port found free here and bound later by rank 0 could be taken in between by a world started beside
+    # this one (pytest-xdist runs tests in parallel processes).
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     processes = [
         context.Process(target=_worker, args=(rank, world_size, port, body, args, errors), daemon=True)
         for rank in range(world_size)
@@ -215,15 +219,9 @@ def _worker(rank: int, world_size: int, port: int, body: RankBody, args: tuple[A
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        with initialized_process_group("gloo", rank=rank, world_size=world_size):
+        store = TCPStore("127.0.0.1", port, world_size, is_master=False)
+        with initialized_process_group("gloo", store=store, rank=rank, world_size=world_size):
             body(rank, world_size, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
