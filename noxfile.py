@@ -32,7 +32,12 @@ RECIPES_DIR = INTEGRATION_DIR / "recipes"
 TORCH = os.environ.get("SWAP_TORCH_SPEC", "torch==2.13.0")
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
-TEST_TOOLS = ("pytest>=8", "hypothesis>=6", "expecttest")  # expecttest: torch's OptimizerInfo database imports it
+# expecttest: torch's OptimizerInfo database imports it.
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6", "expecttest")
+TEST_WORKERS = ("-n", os.environ.get("SWAP_TEST_WORKERS", "auto"), "--dist", "worksteal")
+"""pytest-xdist arguments of the test sessions: one worker per CPU (``SWAP_TEST_WORKERS=0``: one process, as
+``-- -n 0`` does); a worker that runs out of tests takes queued ones from the other, so a long distributed test
+does not leave a core idle. Measured here (2 cores): the six suites in 575 s instead of about 1,020 s."""
 DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11")
 PLOT_TOOLS = ("matplotlib",)  # examples/train_gpt.py writes PNG plots
 RELEASE_TOOLS = ("build", "twine", "packaging")
@@ -84,6 +89,20 @@ def install_torch(session: nox.Session) -> None:
     first ``import torch`` about 3 s slower), and a CI run installs torch in 13 fresh environments.
     """
     session.install("--no-compile", *shlex.split(TORCH))
+    cache_bytecode(session)
+
+
+def cache_bytecode(session: nox.Session) -> None:
+    """Let the session's Python cache the bytecode it compiles, under the environment (never beside the sources).
+
+    Where ``PYTHONDONTWRITEBYTECODE`` is set (this machine's images set it), every process would compile
+    torch's modules from source again: measured here, ``import torch, torch._dynamo`` takes 15 s each time
+    instead of 15 s once and 6 s after, and a CI run starts over 40 processes that import torch (pytest-xdist
+    workers, their forkserver, torchrun ranks, smoke tests). ``PYTHONPYCACHEPREFIX`` keeps the caches inside
+    the session's environment, so the working tree stays as the setting meant it to.
+    """
+    session.env["PYTHONDONTWRITEBYTECODE"] = None  # removed from the environment of the session's commands
+    session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
 
 
 def install_workspace(session: nox.Session, *tools: str) -> None:
@@ -92,9 +111,8 @@ def install_workspace(session: nox.Session, *tools: str) -> None:
     editables: list[str] = []
     for name in PACKAGES:
         editables += ["-e", f"packages/{name}"]
-    session.install(*editables)
     # numpy: not a torch dependency, but torch warns on import without it.
-    session.install("numpy", *tools)
+    session.install(*editables, "numpy", *tools)
 
 
 def existing(paths: tuple[str, ...]) -> list[str]:
@@ -116,10 +134,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over the src/ tree of every package."""
+    """mypy --strict over the src/ trees of all packages, in one run (torch's stubs are analysed once)."""
     install_workspace(session, MYPY, *TEST_TOOLS)
-    for name in PACKAGES:
-        session.run("mypy", "--strict", f"packages/{name}/src", *session.posargs)
+    session.run("mypy", "--strict", *(f"packages/{name}/src" for name in PACKAGES), *session.posargs)
 
 
 @nox.session
@@ -127,7 +144,7 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """One package's test suite; extra arguments go to pytest (e.g. ``-- --backend cuda -k parity``)."""
     install_workspace(session, *TEST_TOOLS)
-    session.run("pytest", f"packages/{package}/tests", *session.posargs)
+    session.run("pytest", *TEST_WORKERS, f"packages/{package}/tests", *session.posargs)
 
 
 @nox.session
@@ -142,7 +159,9 @@ def integration(session: nox.Session) -> None:
     install_workspace(session, *TEST_TOOLS, *PLOT_TOOLS)
     try:
         # The recipes need their frameworks installed: ``nox -s integrations`` runs them.
-        session.run("pytest", "integration-tests", f"--ignore={RECIPES_DIR.relative_to(ROOT)}", *session.posargs)
+        session.run(
+            "pytest", *TEST_WORKERS, "integration-tests", f"--ignore={RECIPES_DIR.relative_to(ROOT)}", *session.posargs
+        )
     except nox.command.CommandFailed as failure:
         if getattr(failure, "return_code", None) != 5:
             raise
