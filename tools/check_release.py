@@ -11,7 +11,9 @@ For every package under ``packages/``, with its wheel in ``DIST``::
   in its ``Requires-Dist`` (or in an extra's), and every one it requires outside extras is imported
   somewhere, so an install from the wheel alone works and pulls nothing it does not use;
 - every pin on a sibling package (``swap-core>=0.1,<0.2``), extras included, admits that sibling's
-  current version.
+  current version;
+- with ``--build-backend SPEC``: its ``build-system.requires`` is exactly ``[SPEC]`` (the noxfile installs
+  that one backend to install every package editable without build isolation).
 
 Prints one line per package and exits 1 with every problem listed. Needs ``packaging``.
 """
@@ -23,6 +25,11 @@ import ast
 import re
 import sys
 import zipfile
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 from email.parser import Parser
 from pathlib import Path
 
@@ -94,7 +101,7 @@ def wheel_metadata(wheel: Path) -> dict[str, list[str]]:
     return {key: message.get_all(key) or [] for key in ("Name", "Version", "Requires-Dist")}
 
 
-def check(dist: Path) -> list[str]:
+def check(dist: Path, build_backend: str | None = None) -> list[str]:
     problems: list[str] = []
     package_dirs = sorted(path.parent for path in PACKAGES_DIR.glob("*/pyproject.toml"))
     versions = {canonicalize_name(path.name): source_version(path) for path in package_dirs}
@@ -102,6 +109,10 @@ def check(dist: Path) -> list[str]:
         name = canonicalize_name(package_dir.name)
         version = versions[name]
         where = f"{package_dir.name} {version}"
+        if build_backend is not None:
+            requires = tomllib.loads((package_dir / "pyproject.toml").read_text())["build-system"]["requires"]
+            if requires != [build_backend]:
+                problems.append(f"{where}: build-system.requires is {requires}, expected [{build_backend!r}]")
         logged = changelog_version(package_dir / "CHANGELOG.md")
         if logged != version:
             problems.append(f"{where}: CHANGELOG.md's top entry is {logged}, not the package version")
@@ -134,7 +145,9 @@ def check(dist: Path) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("dist", type=Path, help="directory holding the built wheels (searched recursively)")
-    problems = check(parser.parse_args().dist)
+    parser.add_argument("--build-backend", help="the one build-system requirement every package must declare")
+    args = parser.parse_args()
+    problems = check(args.dist, args.build_backend)
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
     return 1 if problems else 0

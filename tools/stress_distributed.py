@@ -7,6 +7,7 @@ the log of every failed run, and prints the count::
 
     python tools/stress_distributed.py --runs 30                     # every distributed test file
     python tools/stress_distributed.py --runs 10 integration-tests/test_ckpt_torchrun.py
+    python tools/stress_distributed.py --runs 10 --workers 2          # as nox runs them: 2 pytest-xdist workers
 
 Run it in an environment where the swap packages and pytest are installed (a nox session's venv,
 or ``pip install -e packages/...``). The exit status is 1 when any run failed.
@@ -38,9 +39,12 @@ def busy_loop() -> None:
         pass
 
 
-def run_once(targets: list[str], log: Path) -> tuple[int, float]:
-    """One ``pytest -m distributed`` over ``targets``; its output goes to ``log``. Returns (status, seconds)."""
+def run_once(targets: list[str], log: Path, workers: int) -> tuple[int, float]:
+    """One ``pytest -m distributed`` over ``targets`` (with ``workers`` pytest-xdist workers unless 0); its output
+    goes to ``log``. Returns (status, seconds)."""
     command = [sys.executable, "-m", "pytest", "-m", "distributed", "-q", "-p", "no:cacheprovider", *targets]
+    if workers:
+        command += ["-n", str(workers), "--dist", "worksteal"]
     started = time.monotonic()
     with log.open("w") as output:
         status = subprocess.run(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, check=False).returncode
@@ -54,10 +58,16 @@ def main() -> int:
     )
     parser.add_argument("--runs", type=int, default=30, help="consecutive runs (default 30)")
     parser.add_argument("--load", type=int, default=1, help="busy-looping processes beside the tests (default 1)")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="pytest-xdist workers, so that worlds run side by side (default 0: none)"
+    )
     parser.add_argument("--logs", type=Path, default=ROOT / "out" / "stress", help="where failed runs' logs go")
     args = parser.parse_args()
-    if args.runs < 1 or args.load < 0:
-        parser.error(f"--runs must be >= 1 and --load >= 0, got --runs {args.runs} --load {args.load}")
+    if args.runs < 1 or args.load < 0 or args.workers < 0:
+        parser.error(
+            f"--runs must be >= 1, --load and --workers >= 0, got --runs {args.runs} --load {args.load} "
+            f"--workers {args.workers}"
+        )
     targets = args.targets or [target for target in DISTRIBUTED_TESTS if (ROOT / target).exists()]
     args.logs.mkdir(parents=True, exist_ok=True)
 
@@ -68,7 +78,7 @@ def main() -> int:
     try:
         for run in range(1, args.runs + 1):
             log = args.logs / f"run-{run:03d}.log"
-            status, seconds = run_once(targets, log)
+            status, seconds = run_once(targets, log, args.workers)
             if status == 0:
                 log.unlink()
             else:
@@ -78,7 +88,8 @@ def main() -> int:
     finally:
         for process in load:
             process.kill()
-    print(f"{len(failed)} of {args.runs} runs failed under {args.load} busy process(es) on {os.cpu_count()} cores")
+    workers = f"{args.workers} pytest-xdist workers, " if args.workers else ""
+    print(f"{len(failed)} of {args.runs} runs failed ({workers}{args.load} busy process(es), {os.cpu_count()} cores)")
     if failed:
         print("failed runs: " + ", ".join(map(str, failed)))
     return 1 if failed else 0
