@@ -52,23 +52,39 @@ def shard(model: torch.nn.Sequential, world_size: int, *, replicas: int = 1) -> 
     return model
 
 
-def adamw(model: torch.nn.Module, *, swapped: bool, seed: int = 0) -> torch.optim.Optimizer:
+def adamw(
+    model: torch.nn.Module, *, swapped: bool, seed: int = 0, master_weights: bool = False
+) -> torch.optim.Optimizer:
     """AdamW, swapped through a random-order simulated accelerator (the 16-element bias stays resident)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     if not swapped:
         return optimizer
-    config = SwapConfig(backend=SimBackend(mode="random", seed=seed), swap_times=2, min_numel=32)
+    backend = SimBackend(mode="random", seed=seed)
+    config = SwapConfig(backend=backend, swap_times=2, min_numel=32, master_weights=master_weights)
     return swap_optimizer(optimizer, config)
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int, steps: int, rank: int) -> None:
-    """``steps`` steps whose inputs depend only on the step index and the rank."""
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    first_step: int,
+    steps: int,
+    rank: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """``steps`` steps whose inputs (in the model's ``dtype``) depend only on the step index and the rank."""
     for step in range(first_step, first_step + steps):
-        generator = torch.Generator().manual_seed(1000 * step + rank)
-        inputs = torch.randn(8, IN_FEATURES, generator=generator)
-        model(inputs).square().mean().backward()
+        backward(model, step, rank, dtype=dtype)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def backward(model: torch.nn.Module, step: int, rank: int, *, dtype: torch.dtype = torch.float32) -> None:
+    """The forward and backward of step ``step`` on ``rank``: its gradients in the parameters."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    inputs = torch.randn(8, IN_FEATURES, generator=generator).to(dtype)
+    model(inputs).square().mean().backward()
 
 
 def local_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -244,17 +244,36 @@ def test_master_state_dict_exports_the_fp32_masters_keyed_like_the_model() -> No
             assert exported[name].data_ptr() != optimizer.state[param][MASTER_KEY].data_ptr(), "a copy"
 
 
-def test_master_weights_over_dtensor_parameters_are_refused_before_anything_changes() -> None:
+def test_master_weights_over_dtensor_parameters_are_sharded_like_them_and_match_the_reference() -> None:
+    """A 1-rank mesh here (every rank does the same on its shard): the master of a DTensor parameter is an fp32
+    DTensor of its layout whose local shard is swapped; the multi-rank runs and their DCP checkpoints are
+    swap-ckpt's ``test_ckpt_fsdp_masters.py``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from swap_core.testing.distributed import initialized_process_group
 
-    with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
+    def run() -> None:
         mesh = init_device_mesh("cpu", (1,))
-        param = torch.nn.Parameter(distribute_tensor(torch.randn(64, 8).bfloat16(), mesh, [Shard(0)]))
-        plain = rmsprop([param])
-        with pytest.raises(UnsupportedOptimizerError, match=r"not supported yet for DTensor \(FSDP2\) parameters"):
-            swap_optimizer(plain, SwapConfig(backend=SimBackend(), master_weights=True))
-        assert not plain.state and not plain._optimizer_step_pre_hooks
-        del param, plain, mesh
+        full = make_params(7)
+        params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
+        reference_params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
+        reference = MasterReference(reference_params, rmsprop)
+        optimizer = swapped(params, SimBackend(mode="random", seed=7))
+        for step in range(4):
+            generator = torch.Generator().manual_seed(step)
+            for param, reference_param in zip(params, reference_params, strict=True):
+                grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+                param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+                reference_param.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            optimizer.step()
+            reference.step()
+            reference.assert_matches(optimizer, params, f"step {step}")
+        for param in params:
+            if param.dtype != torch.float32:
+                master = optimizer.state[param][MASTER_KEY]
+                assert isinstance(master, DTensor) and master.placements == param.placements
+                assert master.dtype == torch.float32 and master.shape == param.shape
+
+    with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
+        run()

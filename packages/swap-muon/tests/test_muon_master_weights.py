@@ -47,3 +47,24 @@ def test_muon_with_master_weights_is_bitwise_the_reference(mode: str, seed: int,
     assert not sim.races, sim.races
     state = optimizer.state[params[0]]
     assert state["momentum_buffer"].dtype == state[MASTER_KEY].dtype == torch.float32
+
+
+def test_distributed_muon_with_master_weights_is_refused_before_anything_changes() -> None:
+    """Owner-rank Muon (DTensor parameters) would gather the bf16 parameters, not their masters: refused, naming why."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from swap_core.errors import UnsupportedOptimizerError
+    from swap_core.testing.distributed import initialized_process_group
+
+    def run() -> None:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])) for param in _params()]
+        plain = _muon(list(params))
+        config = SwapConfig(backend=SimBackend(), min_numel=128, master_weights=True)
+        with pytest.raises(UnsupportedOptimizerError, match=r"through DistributedMuonAdapter: the owner rank gathers"):
+            swap_optimizer(plain, config)
+        assert not plain.state and not plain._optimizer_step_pre_hooks
+
+    with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
+        run()

@@ -773,18 +773,12 @@ class SwapOptimizer(torch.optim.Optimizer):
                 "backend='auto' runs the plain optimizer. Pass SwapConfig(backend='sim') to run the swap pipeline "
                 "on the CPU, or keep master_weights=False"
             )
-        if self.adapter.lazy_states:
+        reason = self.adapter.master_weights_unsupported
+        if reason is not None:
             raise UnsupportedOptimizerError(
-                f"master_weights=True is not supported yet for {name} through {type(self.adapter).__name__} "
-                "(an adapter that runs the optimizer's own step); families with a dedicated adapter (Adam, AdamW, "
-                "RMSprop, single-process Muon) support it"
-            )
-        sharded = [param for param in low if shard_layout(param) is not None]
-        if sharded:
-            raise UnsupportedOptimizerError(
-                f"master_weights=True is not supported yet for DTensor (FSDP2) parameters: {len(sharded)} of "
-                f"{name}'s parameters are sharded. Shard fp32 parameters with a bf16 MixedPrecisionPolicy instead, "
-                "or keep master_weights=False"
+                f"master_weights=True is not supported yet for {name} through {type(self.adapter).__name__}: "
+                f"{reason}. Adam, AdamW, RMSprop and single-process Muon support it (FSDP2 and HSDP included), or "
+                "keep master_weights=False"
             )
 
     def _ordered_params_with_groups(self) -> list[tuple[int, torch.Tensor]]:

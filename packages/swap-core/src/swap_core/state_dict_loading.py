@@ -197,7 +197,7 @@ def _master_from_param(store: StateStore, new: list[tuple[SwapSlot, StateSource]
     template = StateInit(tuple(param.shape), torch.float32)
     if store.should_swap(MASTER_KEY, template):
         local = local_tensor(param)
-        slot = SwapSlot(param, MASTER_KEY, local.shape, torch.float32, stride=layout_stride(local))
+        slot = SwapSlot(param, MASTER_KEY, local.shape, torch.float32, shard_layout(param), layout_stride(local))
         new.append((slot, param.detach()))
         return template
     return store.resident_copy(param.detach().float())

@@ -61,6 +61,9 @@ class GenericAdapter(StateSwapAdapter):
 
     swappable_keys = None
     lazy_states = True
+    master_weights_unsupported = (
+        "it runs the optimizer's own step, whose param groups and state hold the parameters, not their masters"
+    )
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)

@@ -45,6 +45,7 @@ class DistributedMuonAdapter(StateSwapAdapter):
 
     swappable_keys = ("momentum_buffer",)
     reproduces = (Muon,)
+    master_weights_unsupported = "the owner rank gathers and updates whole parameters, not whole masters"
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)

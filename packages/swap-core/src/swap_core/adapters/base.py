@@ -82,6 +82,12 @@ class StateSwapAdapter(abc.ABC):
     state is updated with an empty state dict, and right after its batch the states the update created
     move to host memory, so no more than one batch of fresh states is on the device at once."""
 
+    master_weights_unsupported: ClassVar[str | None] = None
+    """Why :meth:`update` cannot run on fp32 master weights yet, or ``None`` when it can. With
+    ``SwapConfig(master_weights=True)`` the runtime hands the update each bf16/fp16 parameter's fp32 master
+    (a tensor of the parameter's shape and sharding) in its place; an adapter that names a reason here is
+    refused in that mode, with the reason, before anything changes."""
+
     reproduces: ClassVar[tuple[type[torch.optim.Optimizer], ...]] = ()
     """torch classes whose update :meth:`update` reproduces with torch's functional kernel. An optimizer
     whose class overrides one of :attr:`reproduced_methods` of them would be silently bypassed: the
