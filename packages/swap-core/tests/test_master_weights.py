@@ -277,3 +277,22 @@ def test_master_weights_over_dtensor_parameters_are_sharded_like_them_and_match_
 
     with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
         run()
+
+
+def test_master_weights_refuse_an_adapter_that_cannot_run_on_masters_naming_why() -> None:
+    from swap_core.adapters.rmsprop import RMSpropAdapter
+
+    class NamedReason(RMSpropAdapter):
+        master_weights_unsupported = "it keeps a copy of every parameter"
+
+    class CreatesItsStates(RMSpropAdapter):
+        lazy_states = True
+
+    for adapter, reason in ((NamedReason, "it keeps a copy of every parameter"), (CreatesItsStates, "lazy_states")):
+        params = make_params()
+        plain = rmsprop(list(params))
+        config = SwapConfig(backend=SimBackend(), master_weights=True)
+        with pytest.raises(UnsupportedOptimizerError, match=rf"through {adapter.__name__}: .*{reason}") as raised:
+            SwapOptimizer(plain, config, adapter_factory=adapter)
+        assert "master_weights=False" in str(raised.value)
+        assert not plain.state and not plain._optimizer_step_pre_hooks

@@ -774,6 +774,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                 "on the CPU, or keep master_weights=False"
             )
         reason = self.adapter.master_weights_unsupported
+        if reason is None and self.adapter.lazy_states:
+            # The runtime makes each master before the first update, and an optimizer's own step creates its
+            # states only for an empty state.
+            reason = "its update creates the states itself (lazy_states), and a master would be there first"
         if reason is not None:
             raise UnsupportedOptimizerError(
                 f"master_weights=True is not supported yet for {name} through {type(self.adapter).__name__}: "
