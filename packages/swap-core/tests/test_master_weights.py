@@ -21,17 +21,11 @@ from swap_core.master_weights import MASTER_KEY, master_state_dict
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.conformance import SIM_MODES, through_torch_save
-from swap_core.testing.masters import MasterReference, set_same_grads
+from swap_core.testing.masters import MIXED_SHAPES_AND_DTYPES, MasterReference, mixed_precision_params, set_same_grads
 
 pytestmark = pytest.mark.sim_only
 
-SHAPES_AND_DTYPES = (
-    ((32, 40), torch.bfloat16),
-    ((40,), torch.bfloat16),  # under min_numel=64: its states and master stay resident on the device
-    ((24, 24), torch.float32),  # keeps no master
-    ((30, 30), torch.float16),
-    ((16, 8), torch.bfloat16),
-)
+SHAPES_AND_DTYPES = MIXED_SHAPES_AND_DTYPES
 STEPS = 10
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -41,8 +35,7 @@ def rmsprop(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 
 
 def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape, dtype in SHAPES_AND_DTYPES]
+    return mixed_precision_params(seed)
 
 
 def swapped(
@@ -285,10 +278,12 @@ def test_master_weights_refuse_an_adapter_that_cannot_run_on_masters_naming_why(
     class NamedReason(RMSpropAdapter):
         master_weights_unsupported = "it keeps a copy of every parameter"
 
-    class CreatesItsStates(RMSpropAdapter):
-        lazy_states = True
+    class ReasonOfItsOptimizer(RMSpropAdapter):  # e.g. swap-generic, for schedule-free optimizers
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            super().__init__(optimizer)
+            self.master_weights_unsupported = f"its {type(optimizer).__name__} moves the parameters itself"
 
-    for adapter, reason in ((NamedReason, "it keeps a copy of every parameter"), (CreatesItsStates, "lazy_states")):
+    for adapter, reason in ((NamedReason, "it keeps a copy of every parameter"), (ReasonOfItsOptimizer, "RMSprop")):
         params = make_params()
         plain = rmsprop(list(params))
         config = SwapConfig(backend=SimBackend(), master_weights=True)
@@ -296,3 +291,24 @@ def test_master_weights_refuse_an_adapter_that_cannot_run_on_masters_naming_why(
             SwapOptimizer(plain, config, adapter_factory=adapter)
         assert "master_weights=False" in str(raised.value)
         assert not plain.state and not plain._optimizer_step_pre_hooks
+        SwapOptimizer(plain, SwapConfig(backend=SimBackend()), adapter_factory=adapter)  # without masters: fine
+
+
+def test_states_made_before_wrapping_get_masters_from_the_params_with_one_warning() -> None:
+    """An optimizer stepped before wrapping holds bf16/fp16 states: taken as a plain checkpoint is loaded."""
+    params = make_params()
+    plain = rmsprop(list(params))
+    set_same_grads(0, params)
+    plain.step()  # states in the parameters' dtypes
+    reference = MasterReference([param.detach().clone() for param in params], rmsprop)
+    reference.optimizer.load_state_dict(plain.state_dict())  # torch casts them to the masters' fp32
+    config = SwapConfig(backend=SimBackend(mode="random", seed=2), swap_times=2, min_numel=64, master_weights=True)
+    with pytest.warns(UserWarning, match=r"^4 bfloat16/float16 parameter\(s\) had optimizer states before wrapping"):
+        optimizer = swap_optimizer(plain, config)
+    low = [param for param in params if param.dtype != torch.float32]
+    assert {value.dtype for param in low for key, value in optimizer.state[param].items() if key != "step"} == {
+        torch.float32
+    }
+    reference.assert_matches(optimizer, params, "wrapped")
+    train(reference, optimizer, range(1, 4))
+    reference.assert_matches(optimizer, params, "after three steps of the wrapped optimizer")

@@ -56,3 +56,17 @@ def test_it_is_a_defaultdict_of_dicts_that_survives_deepcopy_and_pickle() -> Non
         assert isinstance(copied, TrackedState) and copied.default_factory is dict
         assert [float(entry["step"]) for entry in copied.values() if entry] == [1.0]
         assert len(copied) == 2
+
+
+def test_lent_entries_are_there_for_the_block_only_and_are_not_a_change() -> None:
+    kept, lent, replaced = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    state = TrackedState({kept: {"a": 1}, replaced: {"b": 2}})
+    version = state.version
+    with state.lent([(lent, {"c": 3}), (replaced, {"d": 4})]):
+        assert state[lent] == {"c": 3} and state[replaced] == {"d": 4}
+        assert state.version == version
+    assert lent not in state and state[replaced] == {"b": 2} and state[kept] == {"a": 1}
+    assert state.version == version
+    with pytest.raises(RuntimeError, match="inside"), state.lent([(lent, {})]):
+        raise RuntimeError("inside")
+    assert lent not in state and state.version == version

@@ -286,8 +286,13 @@ def test_plain_sgd_keeps_no_state_as_torch() -> None:
     pair.assert_equal("plain SGD")
 
 
-def test_master_weights_are_refused_until_the_generic_adapter_supports_them() -> None:
+def test_master_weights_through_swap_optimizer_run_on_the_generic_adapter() -> None:
+    """test_generic_master_weights.py holds every row bitwise; here: the registry's pick supports the mode."""
     params = [torch.nn.Parameter(torch.randn(64, 64).bfloat16())]
     config = SwapConfig(backend=SimBackend(), min_numel=16, master_weights=True)
-    with pytest.raises(UnsupportedOptimizerError, match=r"master_weights=True is not supported yet for SGD"):
-        swap_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), config)
+    optimizer = swap_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), config)
+    params[0].grad = torch.ones_like(params[0])
+    optimizer.step()
+    state = optimizer.state[params[0]]
+    assert sorted(state) == ["master_param", "momentum_buffer"]
+    assert state["master_param"].dtype == state["momentum_buffer"].dtype == torch.float32

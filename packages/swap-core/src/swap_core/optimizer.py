@@ -31,9 +31,10 @@ from .errors import SwapStateError, UnsupportedOptimizerError
 from .master_weights import (
     MASTER_KEY,
     has_master,
+    is_fresh,
     master_problem,
     on_masters,
-    set_params_from_masters,
+    params_as_masters,
     stand_in,
     without_master,
 )
@@ -63,6 +64,18 @@ _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 
 _LOAD_HOOK_DICTS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+_STATE_DICT_HOOK_DICTS = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks")
+
+_PLAIN_CHECKPOINT = (
+    f"The checkpoint has no {MASTER_KEY!r} for {{count}} bfloat16/float16 parameter(s) (saved without master "
+    "weights): their fp32 masters start as the parameters' current values, and their loaded states are kept in fp32"
+)
+_STATES_BEFORE_WRAPPING = (
+    "{count} bfloat16/float16 parameter(s) had optimizer states before wrapping (made by an earlier step or by "
+    "{name}'s constructor) and no fp32 master: their masters start as the parameters, and their states are kept in "
+    "fp32 from now on (cast from the parameters' dtype, so a state value that dtype cannot hold exactly differs "
+    "from an fp32-master run's)"
+)
 
 _WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[SwapOptimizer]] = weakref.WeakKeyDictionary()
 """The live wrapper of each wrapped optimizer: a second wrapper would keep a second copy of its state."""
@@ -124,7 +137,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self._master_weights:
             self._check_master_weights_supported(self._ordered_params())
         if self.backend is not None:  # unswapped (CPU parameters), the wrapped optimizer's step takes any state
-            self._check_states(self._ordered_params_with_groups(), UnsupportedOptimizerError)
+            # States made before wrapping without masters (Adagrad's constructor makes them) get theirs below.
+            self._check_states(self._ordered_params_with_groups(), UnsupportedOptimizerError, masters_to_make=True)
         self.stats = SwapStats()
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
@@ -154,6 +168,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self._adopt_params()
                 self._adopt_state()  # existing states move to host memory (may find the host too small)
                 self._layout = _layout(self.param_groups, self._ordered_params())
+                if self._master_weights:
+                    self._make_masters_of_existing_states(_STATES_BEFORE_WRAPPING, stacklevel=4)
         except BaseException:
             # The wrapped optimizer is left as it was: its own state mapping, none of swap's hooks.
             optimizer.state = original_state
@@ -240,7 +256,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 with_grad = self._collect_grads(ordered)
                 if self.adapter.lazy_states:
                     self._pack_fresh_states(ordered)  # those a failed step left unpacked
-                elif not self._states_complete():
+                if (self._master_weights or not self.adapter.lazy_states) and not self._states_complete():
+                    # Lazy states with master weights: the masters, which the update runs on, come first.
                     self._create_missing_states(self._params_with_grad())
                 plan = self._current_plan()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
@@ -290,13 +307,18 @@ class SwapOptimizer(torch.optim.Optimizer):
                 else:
                     params, grads, states = _with_grad(segment_params, segment_grads, segment_states, self._fresh_state)
                     if self.adapter.lazy_states:
-                        fresh += [param for param, state in zip(params, states, strict=True) if not state]
+                        fresh += [param for param, state in zip(params, states, strict=True) if is_fresh(state)]
                 if params:
                     group = self.param_groups[group_index]
                     if self._master_weights:  # the update runs on the fp32 masters, the params follow them
-                        params, grads, pairs = on_masters(params, grads, states)
-                        self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
-                        set_params_from_masters(pairs)
+                        masters = on_masters(params, grads, states)
+                        try:
+                            self.adapter.update(
+                                UpdateBatch(group, masters.params, masters.grads, masters.states, batch.index, params)
+                            )
+                        finally:
+                            masters.write_back()
+                        masters.set_params()
                     else:
                         self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
         if fresh:
@@ -380,11 +402,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         half-initialized state behind.
         """
         assert self._store is not None
-        fresh = [
-            (param, self.adapter.initial_state(self._as_updated(param), self.param_groups[group_index]))
-            for group_index, param in params
-            if not self.state[param]
-        ]
+        fresh: list[tuple[torch.Tensor, dict[str, torch.Tensor | StateInit]]]
+        if self.adapter.lazy_states:  # its update creates the states: only the masters it runs on are made here
+            fresh = [(param, {}) for _, param in params if has_master(param) and not self.state[param]]
+        else:
+            fresh = [
+                (param, self.adapter.initial_state(self._as_updated(param), self.param_groups[group_index]))
+                for group_index, param in params
+                if not self.state[param]
+            ]
         if not fresh:
             return
         self._plan = None
@@ -544,15 +570,26 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._seen_state_version = self._tracked.version
         self._plan = None  # state dicts are bound to the batches
 
-    def _check_states(self, params: Sequence[tuple[int, torch.Tensor]], error: Callable[[str], Exception]) -> None:
-        """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use."""
+    def _check_states(
+        self,
+        params: Sequence[tuple[int, torch.Tensor]],
+        error: Callable[[str], Exception],
+        *,
+        masters_to_make: bool = False,
+    ) -> None:
+        """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use.
+
+        ``masters_to_make``: a state without a master is to get one (made before wrapping), so only
+        the adapter is asked about it.
+        """
         for index, (group_index, param) in enumerate(params):
             state = self.state.get(param)
             if not state:
                 continue
             problem = None
             if self._master_weights and has_master(param):
-                problem = master_problem(param, state)
+                if not (masters_to_make and MASTER_KEY not in state):
+                    problem = master_problem(param, state)
                 state = without_master(state)
             if problem is None:
                 problem = self.adapter.state_mismatch(self._as_updated(param), self.param_groups[group_index], state)
@@ -646,14 +683,40 @@ class SwapOptimizer(torch.optim.Optimizer):
             elif _overrides(self.optimizer, "load_state_dict"):
                 # Its own format and casting rules (bitsandbytes keeps uint8 codes uint8): its own method loads, and
                 # the loaded state is then taken over into host memory, as after a load through the wrapped optimizer.
-                self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
+                with params_as_masters(self.optimizer) if self._master_weights else contextlib.nullcontext():
+                    self.optimizer.load_state_dict(dict(self.adapter.import_state_dict(state_dict)))
                 self._follow_edits(self._ordered_params())
+                if self._master_weights:
+                    self._make_masters_of_existing_states(_PLAIN_CHECKPOINT, stacklevel=3)
             else:
                 self._load_swapped(state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _load_swapped(self, state_dict: Mapping[str, Any]) -> None:
+    def _make_masters_of_existing_states(self, warning: str, *, stacklevel: int) -> None:
+        """States without masters (made before wrapping, or loaded by the optimizer's own method): masters from params.
+
+        An optimizer stepped before wrapping, or one whose constructor makes states (Adagrad's ``sum``),
+        holds states in the parameters' dtype. They are taken as a checkpoint saved without master
+        weights is loaded: the master starts as the parameter, the states are kept in fp32 (exact
+        where the parameter's dtype held their values exactly, as zeros). ``warning`` (formatted with
+        ``count``) says so once.
+        """
+        lacking = [
+            param
+            for param in self._ordered_params()
+            if has_master(param) and self.state.get(param) and MASTER_KEY not in self.state[param]
+        ]
+        if not lacking:
+            return
+        with hook_registries_set_aside(self.optimizer, _STATE_DICT_HOOK_DICTS):
+            plain = torch.optim.Optimizer.state_dict(self.optimizer)
+        self._load_swapped(plain, warn_of_made_masters=False)
+        warnings.warn(
+            warning.format(count=len(lacking), name=type(self.optimizer).__name__), UserWarning, stacklevel=stacklevel
+        )
+
+    def _load_swapped(self, state_dict: Mapping[str, Any], *, warn_of_made_masters: bool = True) -> None:
         """Stage ``state_dict`` in host memory, checked completely, then commit it (the swapped path)."""
         assert self._store is not None
         ordered = self._ordered_params()
@@ -664,14 +727,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.param_groups, self.adapter, store, state_dict, master_weights=self._master_weights
         )
         groups, state, loaded = staged.param_groups, staged.state, staged.swapped
-        if staged.masters_from_params:
-            warnings.warn(
-                f"The checkpoint has no {MASTER_KEY!r} for {staged.masters_from_params} bfloat16/float16 "
-                "parameter(s) (saved without master weights): their fp32 masters start as the parameters' "
-                "current values, and their loaded states are kept in fp32",
-                UserWarning,
-                stacklevel=3,
-            )
+        if staged.masters_from_params and warn_of_made_masters:
+            warnings.warn(_PLAIN_CHECKPOINT.format(count=staged.masters_from_params), UserWarning, stacklevel=3)
         if self._store.load_in_place(loaded, state):
             # The loaded layout is the live one (a resume): the mirrors took the values, nothing was allocated.
             store = self._store
@@ -754,8 +811,14 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     # -- helpers ----------------------------------------------------------------
     def _as_updated(self, param: torch.Tensor) -> torch.Tensor:
-        """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
-        return stand_in(param) if self._master_weights and has_master(param) else param
+        """What the adapter is asked about for ``param``: an fp32 stand-in for a master's parameter.
+
+        An adapter with ``lazy_states`` is asked about the parameter itself (it knows the states its
+        optimizer's step made by the parameters they were made for).
+        """
+        if self._master_weights and has_master(param) and not self.adapter.lazy_states:
+            return stand_in(param)
+        return param
 
     def _check_master_weights_supported(self, params: Sequence[torch.Tensor]) -> None:
         """``master_weights=True`` where this release cannot keep its promise: refused before anything changes.
@@ -774,15 +837,11 @@ class SwapOptimizer(torch.optim.Optimizer):
                 "on the CPU, or keep master_weights=False"
             )
         reason = self.adapter.master_weights_unsupported
-        if reason is None and self.adapter.lazy_states:
-            # The runtime makes each master before the first update, and an optimizer's own step creates its
-            # states only for an empty state.
-            reason = "its update creates the states itself (lazy_states), and a master would be there first"
         if reason is not None:
             raise UnsupportedOptimizerError(
                 f"master_weights=True is not supported yet for {name} through {type(self.adapter).__name__}: "
-                f"{reason}. Adam, AdamW, RMSprop and single-process Muon support it (FSDP2 and HSDP included), or "
-                "keep master_weights=False"
+                f"{reason}. Adam, AdamW, RMSprop, single-process Muon and the optimizers swap-generic runs support "
+                "it (FSDP2 and HSDP included), or keep master_weights=False"
             )
 
     def _ordered_params_with_groups(self) -> list[tuple[int, torch.Tensor]]:
@@ -834,7 +893,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         assert self._store is not None
         new: list[tuple[SwapSlot, StateSource]] = []
         for param in params:
+            swapped = self._store.slots.get(param, _NO_ENTRY)  # e.g. the master, made before the update
             for key, value in self.state.get(param, _NO_ENTRY).items():
+                if key in swapped:
+                    continue
                 if isinstance(value, torch.Tensor) and self._store.should_swap(key, value):
                     new.append((_slot_like(value, key, value.dtype, param=param), value))
         self._store.add(new, self._ordered_params() if order is None else order, unpacked=unpacked)

@@ -25,11 +25,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.errors import UnsupportedOptimizerError
+from swap_core.master_weights import masters_presented
 from swap_core.torch_compat import step_hooks_silenced
 
 from .group_values import GroupValues
 from .probe import coupling_of
-from .third_party import third_party_refusal
+from .third_party import master_weights_refusal, third_party_refusal
 from .torch_compat import unhooked_step
 
 __all__ = ["NOT_PER_PARAMETER", "GenericAdapter", "register"]
@@ -61,9 +62,6 @@ class GenericAdapter(StateSwapAdapter):
 
     swappable_keys = None
     lazy_states = True
-    master_weights_unsupported = (
-        "it runs the optimizer's own step, whose param groups and state hold the parameters, not their masters"
-    )
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
@@ -78,6 +76,7 @@ class GenericAdapter(StateSwapAdapter):
                 "batch by batch, which would update such an optimizer wrongly; it needs a dedicated adapter "
                 "(swap_core.register_adapter)"
             )
+        self.master_weights_unsupported = master_weights_refusal(optimizer)
         self._step = unhooked_step(optimizer)
         # By identity: a tensor's == is elementwise. Weak: a parameter dropped from the model is forgotten.
         self._signatures = WeakIdKeyDictionary()
@@ -86,8 +85,9 @@ class GenericAdapter(StateSwapAdapter):
         self._warned_subclass = False
         for group in optimizer.param_groups:  # states made by the constructor (Adagrad's) or loaded before wrapping
             for param in group["params"]:
-                if optimizer.state.get(param):
-                    self._signatures[param] = _signature(optimizer, param)
+                state = optimizer.state.get(param)
+                if state:
+                    self._signatures[param] = _signature(optimizer, state)
 
     def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
         raise UnsupportedOptimizerError(
@@ -114,20 +114,28 @@ class GenericAdapter(StateSwapAdapter):
             self._group_values = None
 
     def update(self, batch: UpdateBatch) -> None:
-        """The optimizer's own step over this group's share of the batch (every other group empty)."""
-        fresh = [param for param, state in zip(batch.params, batch.states, strict=True) if not state]
-        self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
-        for param in fresh:
-            signature = _signature(self.optimizer, param)
-            self._warn_about_subclass_states(param)
-            if signature:  # an optimizer may keep no state for a parameter (plain SGD)
-                self._signatures[param] = signature
+        """The optimizer's own step over this group's share of the batch (every other group empty).
 
-    def _warn_about_subclass_states(self, param: torch.Tensor) -> None:
+        With master weights the step runs on the masters, presented to it as its parameters.
+        """
+        owners = batch.params if batch.model_params is None else batch.model_params
+        fresh = [
+            (param, owner) for param, owner, state in zip(batch.params, owners, batch.states, strict=True) if not state
+        ]
+        with masters_presented(self.optimizer, batch):
+            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+            created = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
+        for owner, state in created:
+            signature = _signature(self.optimizer, state)
+            self._warn_about_subclass_states(state)
+            if signature:  # an optimizer may keep no state for a parameter (plain SGD)
+                self._signatures[owner] = signature
+
+    def _warn_about_subclass_states(self, state: Mapping[str, Any]) -> None:
         """Once per optimizer: states held in tensor subclasses stay on the device (swap moves plain tensors)."""
         if self._warned_subclass:
             return
-        for key, value in self.optimizer.state.get(param, {}).items():
+        for key, value in state.items():
             if isinstance(value, torch.Tensor) and not _is_plain_or_dtensor(value):
                 self._warned_subclass = True
                 warnings.warn(
@@ -230,10 +238,10 @@ def _check_groups_kept(
         )
 
 
-def _signature(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> StateSignature:
-    """The keys, shapes and dtypes of the state the optimizer just created for ``param``."""
+def _signature(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> StateSignature:
+    """The keys, shapes and dtypes of a ``state`` the optimizer just created."""
     signature: StateSignature = {}
-    for key, value in optimizer.state.get(param, {}).items():
+    for key, value in state.items():
         if isinstance(value, torch.Tensor):
             signature[key] = (tuple(value.shape), value.dtype)
         elif isinstance(value, _PLAIN_VALUES):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["third_party_refusal"]
+__all__ = ["master_weights_refusal", "third_party_refusal"]
 
 
 def third_party_refusal(optimizer: torch.optim.Optimizer) -> str | None:
@@ -27,5 +27,15 @@ def _bitsandbytes_refusal(optimizer: torch.optim.Optimizer) -> str | None:
             "bitsandbytes' GlobalOptimManager holds per-parameter overrides, which it looks up by position in the "
             "param groups, and a batch changes those positions; put the overridden parameters in a param group of "
             "their own with those options instead"
+        )
+    return None
+
+
+def master_weights_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot run on fp32 master weights, or ``None`` (schedule-free's ``train``/``eval``)."""
+    if any("train_mode" in group for group in optimizer.param_groups) and callable(getattr(optimizer, "eval", None)):
+        return (
+            "its train() and eval() move the parameters between schedule-free's sequences outside step(), on the "
+            "bfloat16/float16 parameters, where the fp32 masters the steps run on cannot follow"
         )
     return None

@@ -65,6 +65,12 @@ class UpdateBatch:
     grads: list[torch.Tensor]
     states: list[dict[str, Any]]
     batch_index: int
+    model_params: list[torch.Tensor] | None = None
+    """With ``SwapConfig(master_weights=True)``: the parameters the model holds. ``params[i]`` is then the
+    fp32 master of ``model_params[i]`` (or that parameter itself, if it keeps no master), ``grads[i]`` its
+    gradient in fp32 and ``states[i]`` its state without the master; ``None`` otherwise. An adapter that
+    runs the optimizer's own ``step`` presents the masters to it with
+    :func:`~swap_core.master_weights.masters_presented`."""
 
 
 class StateSwapAdapter(abc.ABC):
@@ -82,11 +88,12 @@ class StateSwapAdapter(abc.ABC):
     state is updated with an empty state dict, and right after its batch the states the update created
     move to host memory, so no more than one batch of fresh states is on the device at once."""
 
-    master_weights_unsupported: ClassVar[str | None] = None
-    """Why :meth:`update` cannot run on fp32 master weights yet, or ``None`` when it can. With
+    master_weights_unsupported: str | None = None
+    """Why :meth:`update` cannot run on fp32 master weights yet, or ``None`` when it can (a class attribute,
+    or set by ``__init__`` for the wrapped optimizer it was given). With
     ``SwapConfig(master_weights=True)`` the runtime hands the update each bf16/fp16 parameter's fp32 master
-    (a tensor of the parameter's shape and sharding) in its place; an adapter that names a reason here is
-    refused in that mode, with the reason, before anything changes."""
+    (a tensor of the parameter's shape and sharding) in its place (see :attr:`UpdateBatch.model_params`);
+    an adapter that names a reason here is refused in that mode, with the reason, before anything changes."""
 
     reproduces: ClassVar[tuple[type[torch.optim.Optimizer], ...]] = ()
     """torch classes whose update :meth:`update` reproduces with torch's functional kernel. An optimizer
@@ -127,6 +134,11 @@ class StateSwapAdapter(abc.ABC):
         as a :class:`StateInit` must have that shape. An empty state is never asked about (the step
         creates it afresh, as torch does).
         An adapter with :attr:`lazy_states` knows no fresh state: the default accepts any state then.
+
+        With master weights, ``state`` is the state without its master and ``param`` what the update
+        runs on: an fp32 stand-in of the parameter's shape (:func:`~swap_core.master_weights.stand_in`),
+        except for an adapter with :attr:`lazy_states`, which knows states by the parameters its
+        optimizer's step made them for and is asked about the parameter itself.
         """
         if self.lazy_states:
             return None

@@ -11,6 +11,7 @@ import torch
 
 from ..backends.protocol import DeviceBackend
 from ..errors import SwapStateError
+from ..master_weights import is_fresh
 from .dtensor import wrap_local
 from .packed import PackedHost, StagingArenas, arena_bytes
 from .partition import partition_consecutive
@@ -125,6 +126,10 @@ def build_plan(
     )
 
 
+def _is_fresh(state: dict[str, Any] | None) -> bool:
+    return state is None or is_fresh(state)
+
+
 def _bind_states(batches: list[PlannedBatch], state: Mapping[torch.Tensor, dict[str, Any]]) -> bool:
     """Fill each batch's ``segments`` and ``slot_states``; returns whether every parameter has a state."""
     start = 0  # batches are consecutive runs of the parameters in order
@@ -135,7 +140,7 @@ def _bind_states(batches: list[PlannedBatch], state: Mapping[torch.Tensor, dict[
             members = [param for _, param in grouped]
             # .get: binding must not create entries (torch keeps no state for never-updated params).
             states = [state.get(param) for param in members]
-            every_state = every_state and all(states)
+            every_state = every_state and not any(map(_is_fresh, states))
             batch.segments.append((group_index, members, states, start))
             start += len(members)
         batch.slot_states = [state[slot.param] for slot in batch.slots]

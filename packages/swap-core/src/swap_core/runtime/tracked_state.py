@@ -12,13 +12,16 @@ An entry created by reading a missing key (``opt.state[p]`` on a new parameter, 
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["TrackedState"]
+
+_ABSENT: Any = object()
 
 StateEntries = Mapping[torch.Tensor, dict[str, Any]] | Iterable[tuple[torch.Tensor, dict[str, Any]]]
 
@@ -72,3 +75,23 @@ class TrackedState(defaultdict[torch.Tensor, dict[str, Any]]):
     def update(self, *args: Any, **kwargs: Any) -> None:
         super().update(*args, **kwargs)
         self.version += 1
+
+    @contextlib.contextmanager
+    def lent(self, entries: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> Iterator[None]:
+        """``entries`` in this mapping for the duration, without counting as a change.
+
+        For tensors that stand in for parameters during an update (their fp32 masters, which the
+        optimizer's own ``step`` reads its states by): the entries go when the block ends, whatever
+        happens in it, and the version is as it was.
+        """
+        before = [(key, dict.get(self, key, _ABSENT)) for key, _ in entries]
+        for key, value in entries:
+            dict.__setitem__(self, key, value)
+        try:
+            yield
+        finally:
+            for key, value in before:
+                if value is _ABSENT:
+                    dict.pop(self, key, None)
+                else:
+                    dict.__setitem__(self, key, value)

@@ -24,7 +24,24 @@ import torch
 from ..master_weights import MASTER_KEY, has_master
 from .compare import assert_bitwise_equal
 
-__all__ = ["MasterReference", "set_same_grads"]
+__all__ = ["MIXED_SHAPES_AND_DTYPES", "MasterReference", "mixed_precision_params", "set_same_grads"]
+
+MIXED_SHAPES_AND_DTYPES: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (
+    ((32, 40), torch.bfloat16),
+    ((40,), torch.bfloat16),  # under a min_numel of 64: its states and master stay resident on the device
+    ((24, 24), torch.float32),  # keeps no master
+    ((30, 30), torch.float16),
+    ((16, 8), torch.bfloat16),
+)
+"""Parameters the master-weights tests train: bf16, fp16 and fp32, one small enough to stay resident."""
+
+
+def mixed_precision_params(
+    seed: int = 0, shapes_and_dtypes: Sequence[tuple[tuple[int, ...], torch.dtype]] = MIXED_SHAPES_AND_DTYPES
+) -> list[torch.nn.Parameter]:
+    """Fresh parameters of ``shapes_and_dtypes``, the same values for the same ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape, dtype in shapes_and_dtypes]
 
 
 def set_same_grads(step: int, *param_sets: Sequence[torch.Tensor]) -> None:
@@ -49,6 +66,8 @@ class MasterReference:
             if master is not param:
                 master.requires_grad_(param.requires_grad)
         self.optimizer = make_optimizer(self.masters)
+        self._stepped: set[int] = set()
+        """Indices of the masters stepped with a gradient (a swapped optimizer holds those masters in its state)."""
 
     def set_grads(self, step: int, *others: Sequence[torch.Tensor]) -> None:
         """:func:`set_same_grads` on the reference's parameters and on each of ``others``."""
@@ -62,9 +81,11 @@ class MasterReference:
 
     def copy_grads_to_masters(self) -> None:
         """``m.grad = p.grad.float()`` (the first third of :meth:`step`, for a caller stepping through a GradScaler)."""
-        for param, master in zip(self.params, self.masters, strict=True):
+        for index, (param, master) in enumerate(zip(self.params, self.masters, strict=True)):
             if master is not param:
                 master.grad = None if param.grad is None else param.grad.float()
+                if param.grad is not None:
+                    self._stepped.add(index)
 
     def copy_masters_to_params(self) -> None:
         """``p.copy_(m)``, round to nearest even (the last third of :meth:`step`)."""
@@ -87,13 +108,17 @@ class MasterReference:
                 f"{where}: parameter {index} has state keys {sorted(actual_state)}, expected {sorted(expected_state)}"
             )
             for key, value in expected_state.items():
-                assert_bitwise_equal(value, actual_state[key], f"{where}: {key!r} of parameter {index}")
+                if isinstance(value, torch.Tensor):
+                    assert_bitwise_equal(value, actual_state[key], f"{where}: {key!r} of parameter {index}")
+                else:  # a number (bitsandbytes keeps its step count as an int)
+                    assert actual_state[key] == value, f"{where}: {key!r} of parameter {index} is {actual_state[key]!r}"
 
     def state_of(self, param: torch.Tensor) -> dict[str, Any]:
-        """The reference optimizer's state of ``param`` (of its master), with the master under ``"master_param"``."""
+        """The reference optimizer's state of ``param`` (of its master), with the master under ``"master_param"``
+        once it has a state or was stepped (an optimizer that keeps no state, as plain SGD, still keeps the master)."""
         index = next(index for index, known in enumerate(self.params) if known is param)
         master = self.masters[index]
         state = dict(self.optimizer.state.get(master, {}))
-        if master is not param and state:
+        if master is not param and (state or index in self._stepped):
             state[MASTER_KEY] = master.detach()
         return state

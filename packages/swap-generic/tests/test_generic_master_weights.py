@@ -1,0 +1,227 @@
+"""SwapConfig(master_weights=True) through the generic adapter: the optimizer's own step runs on the fp32 masters.
+
+Every optimizer swap-generic runs gains master weights through swap-core's one mechanism: the
+masters are presented to the optimizer's step as its parameters (fp32 gradients as ``.grad``, the
+states without the master as their ``optimizer.state`` entries), and the states that step creates are
+born fp32 on the device, one batch at a time, then swapped. Each row is held bitwise, parameters,
+masters and every state after every step, to the reference (swap_core.testing.masters): the plain
+optimizer over fp32 leaf copies of the bf16/fp16 parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, SwapOptimizer
+from swap_core.errors import StateDictMismatchError, UnsupportedOptimizerError
+from swap_core.master_weights import MASTER_KEY
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal
+from swap_core.testing.conformance import through_torch_save
+from swap_core.testing.masters import MasterReference, mixed_precision_params, set_same_grads
+from swap_generic import GenericAdapter
+
+Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+MIN_NUMEL = 64
+STEPS = 8
+MODES = (("lazy", 0), ("sync", 0), ("random", 1), ("random", 2))
+
+
+def _lion(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    lion_pytorch = pytest.importorskip("lion_pytorch")
+    optimizer: torch.optim.Optimizer = lion_pytorch.Lion(params, lr=1e-3, weight_decay=0.1)
+    return optimizer
+
+
+FACTORIES: dict[str, Factory] = {
+    "sgd_plain": lambda params: torch.optim.SGD(params, lr=0.05),  # keeps no state: the master alone is swapped
+    "sgd_nesterov_wd": lambda params: torch.optim.SGD(
+        params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=True
+    ),
+    "sgd_fused": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True),
+    # Adagrad's constructor makes its states (in the parameters' dtype): they become fp32 at wrapping, exactly
+    # for the default initial_accumulator_value of 0.
+    "adagrad_lr_decay": lambda params: torch.optim.Adagrad(params, lr=0.05, lr_decay=0.01, weight_decay=0.1),
+    "adagrad_fused": lambda params: torch.optim.Adagrad(params, lr=0.05, fused=True),
+    "adadelta_maximize": lambda params: torch.optim.Adadelta(params, lr=0.5, maximize=True),
+    "adamax_foreach": lambda params: torch.optim.Adamax(params, lr=0.01, foreach=True),
+    "asgd": lambda params: torch.optim.ASGD(params, lr=0.01, t0=3),
+    "nadam_decoupled": lambda params: torch.optim.NAdam(
+        params, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True, momentum_decay=0.01
+    ),
+    "radam_decoupled": lambda params: torch.optim.RAdam(params, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
+    "rprop": lambda params: torch.optim.Rprop(params, lr=0.01),
+    "adafactor": lambda params: torch.optim.Adafactor(params, lr=0.01),  # factored states, shaped unlike the param
+    # Through the generic path, as a cross-check of the dedicated adapters' master weights.
+    "adam_amsgrad_generic": lambda params: torch.optim.Adam(params, lr=0.01, amsgrad=True),
+    "adamw_fused_generic": lambda params: torch.optim.AdamW(params, lr=0.01, fused=True),
+    "rmsprop_centered_generic": lambda params: torch.optim.RMSprop(params, lr=0.01, centered=True, momentum=0.9),
+    "lion": _lion,
+}
+
+
+def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    """bf16, fp16 and fp32 parameters, one under MIN_NUMEL (its master and states stay resident)."""
+    return mixed_precision_params(seed)
+
+
+def swapped(params: list[torch.nn.Parameter], factory: Factory, backend: SimBackend, **options: Any) -> SwapOptimizer:
+    config = SwapConfig(backend=backend, swap_times=2, min_numel=MIN_NUMEL, master_weights=True, **options)
+    with warnings.catch_warnings():  # Adagrad's constructor states get their masters at wrapping (one warning)
+        warnings.filterwarnings("ignore", message=r".*had optimizer states before wrapping")
+        return SwapOptimizer(factory(list(params)), config, adapter_factory=GenericAdapter)
+
+
+def train(reference: MasterReference, optimizer: SwapOptimizer, params: list[torch.nn.Parameter], steps: range) -> None:
+    for step in steps:
+        reference.set_grads(step, params)
+        reference.step()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_masters_step_bitwise_as_the_plain_optimizer_over_fp32_masters(name: str, packed: bool) -> None:
+    factory = FACTORIES[name]
+    for mode, seed in MODES:
+        sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
+        reference = MasterReference(make_params(), factory)
+        params = make_params()
+        optimizer = swapped(params, factory, sim, packed=packed)
+        for step in range(STEPS):
+            train(reference, optimizer, params, range(step, step + 1))
+            reference.assert_matches(optimizer, params, f"{name} {mode}{seed} step {step}")
+        assert not sim.races, sim.races
+
+
+@pytest.mark.parametrize("name", ["sgd_plain", "nadam_decoupled", "adafactor"])
+def test_between_steps_no_master_or_swapped_state_byte_is_on_the_device(name: str) -> None:
+    """Every master and large state is in host memory between steps (those the step made too), fp32, and the host
+    bytes are exactly theirs. (States a step makes with torch ops are device tensors the simulator does not
+    allocate, so ``owns`` tells host from device here rather than ``memory_allocated``.)"""
+    sim = SimBackend(mode="random", seed=5)
+    params = make_params()
+    optimizer = swapped(params, FACTORIES[name], sim, packed=False)
+    for step in range(3):
+        set_same_grads(step, params)
+        optimizer.step()
+        sim.synchronize()
+        swapped_bytes = 0
+        for index, param in enumerate(params):
+            for key, value in optimizer.state[param].items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue
+                assert value.dtype == torch.float32, f"step {step}: {key!r} of parameter {index} is {value.dtype}"
+                large = param.numel() >= MIN_NUMEL and value.numel() >= MIN_NUMEL
+                assert sim.owns(value) is not large, f"step {step}: {key!r} of parameter {index}"
+                swapped_bytes += value.numel() * 4 if large else 0
+        assert optimizer.stats.host_state_bytes == swapped_bytes, f"after step {step}"
+    assert MASTER_KEY in optimizer.state[params[0]] and MASTER_KEY not in optimizer.state[params[2]]
+    if name == "sgd_plain":  # no state but the masters: 4 B per element of the swapped bf16/fp16 parameters
+        low = [param for param in params if param.numel() >= MIN_NUMEL and param.dtype != torch.float32]
+        assert optimizer.stats.host_state_bytes == 4 * sum(param.numel() for param in low)
+
+
+def test_adagrad_constructor_states_become_fp32_with_one_warning_naming_how_many() -> None:
+    params = make_params()
+    plain = torch.optim.Adagrad(list(params), lr=0.05)
+    config = SwapConfig(backend=SimBackend(), swap_times=2, min_numel=MIN_NUMEL, master_weights=True)
+    with pytest.warns(UserWarning, match=r"^4 bfloat16/float16 parameter\(s\) had optimizer states before wrapping"):
+        optimizer = SwapOptimizer(plain, config, adapter_factory=GenericAdapter)
+    for param in params:
+        assert optimizer.state[param]["sum"].dtype == torch.float32
+        assert (MASTER_KEY in optimizer.state[param]) is (param.dtype != torch.float32)
+
+
+def test_a_master_checkpoint_resumes_bitwise_and_a_plain_one_loads_with_masters_from_the_params() -> None:
+    factory = FACTORIES["nadam_decoupled"]
+    reference = MasterReference(make_params(), factory)
+    params = make_params()
+    optimizer = swapped(params, factory, SimBackend(mode="random", seed=3))
+    train(reference, optimizer, params, range(3))
+    checkpoint = through_torch_save(optimizer.state_dict())
+    assert checkpoint["state"][0][MASTER_KEY].dtype == torch.float32
+    assert checkpoint["state"][0]["exp_avg"].dtype == torch.float32
+
+    resumed_params = [torch.nn.Parameter(param.detach().clone()) for param in params]
+    resumed = swapped(resumed_params, factory, SimBackend(mode="random", seed=4))
+    resumed.load_state_dict(checkpoint)
+    reference.assert_matches(resumed, resumed_params, "resumed")
+    train(reference, resumed, resumed_params, range(3, 6))
+    reference.assert_matches(resumed, resumed_params, "resumed, 3 steps on")
+
+    plain_params = make_params()
+    plain = factory(list(plain_params))
+    for step in range(2):
+        set_same_grads(step, plain_params)
+        plain.step()
+    into_masters = [torch.nn.Parameter(param.detach().clone()) for param in plain_params]
+    optimizer = swapped(into_masters, factory, SimBackend())
+    with pytest.warns(UserWarning, match=r"no 'master_param' for 4 bfloat16/float16 parameter\(s\)"):
+        optimizer.load_state_dict(through_torch_save(plain.state_dict()))
+    for param, plain_param in zip(into_masters, plain_params, strict=True):
+        state = optimizer.state[param]
+        if param.dtype != torch.float32:
+            assert_bitwise_equal(param.detach().float(), state[MASTER_KEY], "master from the parameter")
+        assert_bitwise_equal(plain.state[plain_param]["exp_avg"].float(), state["exp_avg"], "exp_avg, kept in fp32")
+    set_same_grads(2, into_masters)
+    optimizer.step()  # and it trains on
+
+
+def test_a_state_the_optimizer_did_not_create_is_refused_before_anything_changes() -> None:
+    factory = FACTORIES["sgd_nesterov_wd"]
+    params = make_params()
+    optimizer = swapped(params, factory, SimBackend())
+    train(MasterReference(make_params(), factory), optimizer, params, range(2))
+    checkpoint = through_torch_save(optimizer.state_dict())
+    checkpoint["state"][0]["extra"] = torch.zeros(3)
+    before = {key: value.clone() for key, value in optimizer.state_dict()["state"][0].items()}
+    with pytest.raises(StateDictMismatchError, match=r"'extra'.*SGD did not create"):
+        optimizer.load_state_dict(checkpoint)
+    for key, value in optimizer.state_dict()["state"][0].items():
+        assert_bitwise_equal(before[key], value, f"{key} after the refused load")
+
+
+def test_schedule_free_is_refused_naming_why() -> None:
+    schedulefree = pytest.importorskip("schedulefree")
+    params = make_params()
+    plain = schedulefree.AdamWScheduleFree(list(params), lr=1e-2)
+    config = SwapConfig(backend=SimBackend(), master_weights=True)
+    with pytest.raises(UnsupportedOptimizerError, match=r"AdamWScheduleFree through GenericAdapter: its train\(\)"):
+        SwapOptimizer(plain, config, adapter_factory=GenericAdapter)
+    assert not plain.state
+
+
+BNB_SHAPES_AND_DTYPES = (((128, 64), torch.bfloat16), ((8192,), torch.float16), ((16,), torch.float32))
+"""At least 4,096 elements get 8-bit states (bitsandbytes' min_8bit_size); the last stays 32-bit."""
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit"])
+def test_bitsandbytes_over_masters_bitwise_and_its_own_load_keeps_them_fp32(name: str) -> None:
+    """bitsandbytes' own load_state_dict casts floating states to the parameter's dtype: it loads over fp32
+    stand-ins of the parameters, so masters and states stay fp32 as in the reference."""
+    bnb = pytest.importorskip("bitsandbytes")
+
+    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        optimizer: torch.optim.Optimizer = getattr(bnb.optim, name)(params, lr=1e-3)
+        return optimizer
+
+    reference = MasterReference(mixed_precision_params(0, BNB_SHAPES_AND_DTYPES), factory)
+    params = mixed_precision_params(0, BNB_SHAPES_AND_DTYPES)
+    optimizer = swapped(params, factory, SimBackend(mode="random", seed=6))
+    train(reference, optimizer, params, range(3))
+    reference.assert_matches(optimizer, params, "after 3 steps")
+    assert optimizer.state[params[0]]["state1"].dtype == torch.uint8, "8-bit codes stay uint8"
+
+    resumed_params = [torch.nn.Parameter(param.detach().clone()) for param in params]
+    resumed = swapped(resumed_params, factory, SimBackend(mode="random", seed=7))
+    resumed.load_state_dict(through_torch_save(optimizer.state_dict()))
+    assert resumed.state[resumed_params[0]][MASTER_KEY].dtype == torch.float32
+    train(reference, resumed, resumed_params, range(3, 5))
+    reference.assert_matches(resumed, resumed_params, "resumed through bitsandbytes' own load, 2 steps on")
