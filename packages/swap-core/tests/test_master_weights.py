@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.backends.cpu import CpuBackend
 from swap_core.errors import StateDictMismatchError, SwapStateError, UnsupportedOptimizerError
 from swap_core.master_weights import MASTER_KEY, master_state_dict
 from swap_core.sim import SimBackend
@@ -190,9 +191,28 @@ def test_a_load_through_the_wrapped_optimizer_casting_masters_is_refused_at_the_
 
 
 # -- refused clearly -------------------------------------------------------------------------------
-def test_master_weights_on_unswapped_cpu_parameters_is_refused() -> None:
-    with pytest.raises(UnsupportedOptimizerError, match=r"master_weights=True needs a swap backend.*backend='sim'"):
-        swap_optimizer(rmsprop(list(make_params())), SwapConfig(master_weights=True))
+def test_master_weights_on_cpu_parameters_run_the_same_math_unswapped() -> None:
+    """backend='auto' with CPU parameters: the runtime runs on the CPU (CpuBackend), nothing swapped, bitwise
+    the same reference as on a swap backend; a checkpoint keeps masters and states fp32 there too."""
+    params = make_params()
+    reference = MasterReference(make_params(), rmsprop)
+    optimizer = swap_optimizer(rmsprop(list(params)), SwapConfig(master_weights=True))
+    assert isinstance(optimizer.backend, CpuBackend) and "backend=cpu" in repr(optimizer)
+    for step in range(STEPS):
+        train(reference, optimizer, range(step, step + 1))
+        assert_matches_reference(reference, optimizer, f"CPU step {step}")
+    assert optimizer.stats.host_state_bytes == 0 and optimizer.stats.h2d_copies == 0, "nothing is swapped"
+    master_bytes = sum(4 * param.numel() for param in params if param.dtype != torch.float32)
+    assert optimizer.stats.resident_state_device_bytes == 12 * sum(param.numel() for param in params) + master_bytes
+
+    checkpoint = through_torch_save(optimizer.state_dict())
+    resumed_params = [torch.nn.Parameter(param.detach().clone()) for param in params]
+    resumed = swap_optimizer(rmsprop(list(resumed_params)), SwapConfig(master_weights=True))
+    resumed.load_state_dict(checkpoint)
+    assert resumed.state[resumed_params[0]][MASTER_KEY].dtype == torch.float32
+    assert resumed.state[resumed_params[0]]["square_avg"].dtype == torch.float32, "not cast to the bf16 parameter's"
+    train(reference, resumed, range(STEPS, STEPS + 2))
+    reference.assert_matches(resumed, resumed_params, "CPU, resumed")
 
 
 def test_master_weights_with_fp32_parameters_only_makes_no_master() -> None:
@@ -205,11 +225,15 @@ def test_master_weights_with_fp32_parameters_only_makes_no_master() -> None:
     assert MASTER_KEY not in optimizer.state[params[0]]
 
 
-def test_adding_a_bf16_group_to_an_unswapped_master_mode_optimizer_is_refused() -> None:
-    optimizer = swap_optimizer(rmsprop([torch.nn.Parameter(torch.randn(8))]), SwapConfig(master_weights=True))
-    with pytest.raises(UnsupportedOptimizerError, match="needs a swap backend"):
-        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(8).bfloat16())]})
-    assert len(optimizer.param_groups) == 1
+def test_a_bf16_group_added_to_a_cpu_master_mode_optimizer_gets_masters() -> None:
+    fp32 = torch.nn.Parameter(torch.randn(8))
+    optimizer = swap_optimizer(rmsprop([fp32]), SwapConfig(master_weights=True))
+    added = torch.nn.Parameter(torch.randn(8, 8).bfloat16())
+    optimizer.add_param_group({"params": [added]})
+    fp32.grad, added.grad = torch.ones(8), torch.ones(8, 8).bfloat16()
+    optimizer.step()
+    assert optimizer.state[added][MASTER_KEY].dtype == torch.float32
+    assert MASTER_KEY not in optimizer.state[fp32]
 
 
 def test_master_weights_must_be_a_bool() -> None:

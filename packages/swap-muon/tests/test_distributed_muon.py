@@ -10,9 +10,11 @@ import torch.distributed as dist
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.errors import StateDictMismatchError, UnsupportedOptimizerError
+from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.distributed import run_distributed
+from swap_core.testing.masters import MasterReference
 from swap_muon import owner_checkpoint
 from swap_muon.distributed import DistributedMuonAdapter, PlanMismatchError
 from swap_muon.owner_plan import plan_owners
@@ -228,6 +230,76 @@ def _edited_params_body(rank: int, world_size: int) -> None:
         assert_bitwise_equal(reference_param, param.full_tensor(), f"rank {rank}: parameter {index} after the rebind")  # type: ignore[attr-defined]
 
 
+def _masters_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], mode: str) -> None:
+    """bf16 sharded matrices with master_weights=True: bitwise torch.optim.Muon over full fp32 masters, with each
+    rank's master shard and the owners' fp32 momentum swapped; the checkpoint resumes bitwise in a new optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    placements = [Shard(0)] if len(mesh_shape) == 1 else [Replicate(), Shard(0)]
+    reference = MasterReference([weight.bfloat16() for weight in _full(0)], lambda ps: torch.optim.Muon(ps, **OPTIONS))
+
+    def wrapped(weights: list[torch.Tensor], seed: int) -> tuple[list[torch.nn.Parameter], SwapOptimizer]:
+        params = [torch.nn.Parameter(distribute_tensor(weight, mesh, placements)) for weight in weights]
+        config = SwapConfig(
+            backend=SimBackend(mode=mode, seed=seed),  # type: ignore[arg-type]
+            swap_times=2,
+            min_numel=16,
+            master_weights=True,
+        )
+        return params, swap_optimizer(torch.optim.Muon(params, **OPTIONS), config)
+
+    def step(params: list[torch.nn.Parameter], opt: SwapOptimizer, seed: int) -> None:
+        for param, reference_param, grad in zip(params, reference.params, _full(seed), strict=True):
+            reference_param.grad = grad.bfloat16()
+            param.grad = distribute_tensor(grad.bfloat16(), mesh, placements)
+        reference.step()
+        opt.step()
+
+    def check(params: list[torch.nn.Parameter], opt: SwapOptimizer, where: str) -> int:
+        """Everything bitwise the reference; returns the bytes this rank should hold in host memory."""
+        opt.synchronize()
+        adapter = opt.adapter
+        assert isinstance(adapter, DistributedMuonAdapter)
+        expected_host = 0
+        for index, (param, reference_param, master) in enumerate(
+            zip(params, reference.params, reference.masters, strict=True)
+        ):
+            state = opt.state[param]
+            assert_bitwise_equal(reference_param, param.full_tensor(), f"{where}: parameter {index}")  # type: ignore[attr-defined]
+            assert_bitwise_equal(master, state[MASTER_KEY].full_tensor(), f"{where}: master {index}")
+            expected_host += state[MASTER_KEY].to_local().numel() * 4
+            if adapter.owner_of(param) == adapter.shards.rank:
+                momentum = reference.optimizer.state[master]["momentum_buffer"]
+                assert state["momentum_buffer"].dtype == torch.float32
+                assert_bitwise_equal(momentum, state["momentum_buffer"], f"{where}: momentum {index}")
+                expected_host += momentum.numel() * 4
+            else:
+                assert "momentum_buffer" not in state, f"{where}: momentum {index} off its owner"
+        return expected_host
+
+    params, opt = wrapped([weight.bfloat16() for weight in _full(0)], seed=rank)
+    where = f"rank {rank} mesh {mesh_shape} {mode} with master weights"
+    for seed in range(100, 104):
+        step(params, opt, seed)
+        expected_host = check(params, opt, f"{where}, step {seed - 100}")
+    # Host memory: this rank's master shards and the whole fp32 momentum of the matrices it owns (packed, with
+    # at most 64 bytes of alignment between states of one dtype).
+    host = opt.stats.host_state_bytes
+    assert expected_host <= host <= expected_host + 64 * 2 * len(SHAPES), f"{where}: {host} host bytes"
+    saved = opt.state_dict()
+    for index, param in enumerate(params):
+        entry = saved["state"][index]
+        assert entry[MASTER_KEY].placements == param.placements  # type: ignore[attr-defined]
+        assert entry["momentum_buffer"].dtype == torch.float32, "scattered in fp32, as the owner holds it"
+    resumed_params, resumed = wrapped([param.detach().full_tensor() for param in params], seed=rank + 10)  # type: ignore[attr-defined]
+    resumed.load_state_dict(saved)
+    step(resumed_params, resumed, 200)
+    check(resumed_params, resumed, f"{where}, resumed")
+
+
 def _two_rank_checks(rank: int, world_size: int) -> None:
     """One process group for every 2-rank check (starting ranks costs more than the checks)."""
     _row_exchange_body(rank, world_size)
@@ -237,6 +309,8 @@ def _two_rank_checks(rank: int, world_size: int) -> None:
     _unsupported_placement_body(rank, world_size)
     _state_dict_loads_body(rank, world_size)
     _edited_params_body(rank, world_size)
+    _masters_body(rank, world_size, (2,), "lazy")
+    _masters_body(rank, world_size, (2,), "random")
 
 
 def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:
@@ -246,6 +320,7 @@ def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:
 def _four_rank_checks(rank: int, world_size: int) -> None:
     _parity_body(rank, world_size, (4,), True)  # FSDP2 over 4 ranks: the 3-row matrix leaves ranks empty
     _parity_body(rank, world_size, (2, 2), True)  # HSDP: replicate x shard
+    _masters_body(rank, world_size, (2, 2), "random")
 
 
 def test_fsdp_four_ranks_and_hsdp_two_by_two_match_full_muon() -> None:

@@ -13,6 +13,7 @@ import torch
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.masters import MasterReference
 
 pytestmark = pytest.mark.sim_only
@@ -49,22 +50,40 @@ def test_muon_with_master_weights_is_bitwise_the_reference(mode: str, seed: int,
     assert state["momentum_buffer"].dtype == state[MASTER_KEY].dtype == torch.float32
 
 
-def test_distributed_muon_with_master_weights_is_refused_before_anything_changes() -> None:
-    """Owner-rank Muon (DTensor parameters) would gather the bf16 parameters, not their masters: refused, naming why."""
+def test_distributed_muon_with_master_weights_on_one_rank_is_bitwise_the_reference() -> None:
+    """Owner-rank Muon over DTensor parameters updates the shard masters (one rank here; two, and a 2 x 2 HSDP
+    mesh with a checkpoint round trip, are test_distributed_muon.py's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from swap_core.errors import UnsupportedOptimizerError
     from swap_core.testing.distributed import initialized_process_group
+    from swap_muon.distributed import DistributedMuonAdapter
 
     def run() -> None:
         mesh = init_device_mesh("cpu", (1,))
+        reference = MasterReference(_params(), _muon)
         params = [torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])) for param in _params()]
-        plain = _muon(list(params))
-        config = SwapConfig(backend=SimBackend(), min_numel=128, master_weights=True)
-        with pytest.raises(UnsupportedOptimizerError, match=r"through DistributedMuonAdapter: the owner rank gathers"):
-            swap_optimizer(plain, config)
-        assert not plain.state and not plain._optimizer_step_pre_hooks
+        config = SwapConfig(backend=SimBackend(mode="random", seed=3), min_numel=128, master_weights=True)
+        optimizer = swap_optimizer(_muon(list(params)), config)
+        assert isinstance(optimizer.adapter, DistributedMuonAdapter)
+        for step in range(4):
+            generator = torch.Generator().manual_seed(step)
+            for param, reference_param in zip(params, reference.params, strict=True):
+                grad = torch.randn(param.shape, generator=generator).bfloat16()
+                reference_param.grad = grad.clone()
+                param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            reference.step()
+            optimizer.step()
+            optimizer.synchronize()
+            for index, (param, reference_param, master) in enumerate(
+                zip(params, reference.params, reference.masters, strict=True)
+            ):
+                state = optimizer.state[param]
+                where = f"step {step}, parameter {index}"
+                assert_bitwise_equal(reference_param, param.full_tensor(), where)  # type: ignore[attr-defined]
+                assert_bitwise_equal(master, state[MASTER_KEY].full_tensor(), f"{where}: master")
+                momentum = reference.optimizer.state[master]["momentum_buffer"]
+                assert_bitwise_equal(momentum, state["momentum_buffer"], f"{where}: momentum (fp32, whole)")
 
     with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
         run()

@@ -15,12 +15,16 @@ from .config import BackendSpec
 __all__ = ["select_backend"]
 
 
-def select_backend(spec: BackendSpec, params: Iterable[torch.Tensor]) -> DeviceBackend | None:
+def select_backend(
+    spec: BackendSpec, params: Iterable[torch.Tensor], *, master_weights: bool = False
+) -> DeviceBackend | None:
     """The backend that swaps states of ``params``, or ``None`` when nothing should be swapped.
 
     ``"auto"`` follows the parameters: an accelerator device gets that
     accelerator's backend; CPU parameters get no swapping at all (the wrapped
-    optimizer runs unchanged, with the same results).
+    optimizer runs unchanged, with the same results), or, with ``master_weights``, a
+    :class:`~swap_core.backends.cpu.CpuBackend`: the runtime runs the master math on the
+    CPU, with nothing swapped.
     """
     devices = _devices(params)
     if len(devices) > 1:
@@ -33,7 +37,13 @@ def select_backend(spec: BackendSpec, params: Iterable[torch.Tensor]) -> DeviceB
             raise ValueError(f"Backend {spec.name!r} does not own parameters on {device}")
         return spec
     if spec == "auto":
-        return None if device.type == "cpu" else _accelerator(device.type, device.index)
+        if device.type != "cpu":
+            return _accelerator(device.type, device.index)
+        if not master_weights:
+            return None
+        from .backends.cpu import CpuBackend
+
+        return CpuBackend()
     if spec == "sim":
         if device.type != "cpu":
             raise ValueError(f"backend='sim' simulates an accelerator over CPU memory; parameters are on {device}")

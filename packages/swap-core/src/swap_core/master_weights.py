@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .adapters.base import UpdateBatch
 from .errors import SwapStateError
@@ -35,6 +36,7 @@ __all__ = [
     "master_problem",
     "master_state_dict",
     "masters_presented",
+    "model_param",
     "on_masters",
     "params_as_masters",
     "stand_in",
@@ -48,6 +50,9 @@ LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 """Parameter dtypes that get a master copy; every other parameter is updated as it is."""
 
 MASTER_DTYPE = torch.float32
+
+_STOOD_FOR = WeakIdKeyDictionary()
+"""Each live stand-in's parameter (by the stand-in's identity; an entry goes with its stand-in)."""
 
 MasterPair = tuple[torch.Tensor, torch.Tensor]
 """``(parameter, its master's device copy)`` of one updated parameter."""
@@ -63,9 +68,18 @@ def stand_in(param: torch.Tensor) -> torch.Tensor:
 
     What an adapter's ``initial_state`` and ``state_mismatch`` are asked about in place of a
     low-precision parameter: the update runs on the master, so fresh states take its dtype, while
-    only shape, dtype and device are read. Four bytes, whatever the parameter's size.
+    only shape, dtype and device are read. Four bytes, whatever the parameter's size. An adapter
+    that knows parameters by identity finds ``param`` again with :func:`model_param`.
     """
-    return torch.empty((), dtype=MASTER_DTYPE, device=param.device).expand(param.shape)
+    fp32 = torch.empty((), dtype=MASTER_DTYPE, device=param.device).expand(param.shape)
+    _STOOD_FOR[fp32] = param
+    return fp32
+
+
+def model_param(tensor: torch.Tensor) -> torch.Tensor:
+    """The parameter ``tensor`` stands in for, if it is a :func:`stand_in`; else ``tensor`` itself."""
+    param: torch.Tensor | None = _STOOD_FOR.get(tensor)  # type: ignore[no-untyped-call]
+    return tensor if param is None else param
 
 
 def is_fresh(state: Mapping[str, Any]) -> bool:

@@ -25,6 +25,7 @@ import torch
 from .adapters.base import AdapterFactory, StateInit, StateSwapAdapter, UpdateBatch
 from .adapters.overrides import check_instance_step
 from .backend_selection import select_backend
+from .backends.cpu import CpuBackend
 from .backends.protocol import DeviceBackend
 from .config import SwapConfig
 from .errors import SwapStateError, UnsupportedOptimizerError
@@ -131,7 +132,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.config = config
         self._adapter_factory = adapter_factory
         self.adapter: StateSwapAdapter = adapter_factory(optimizer)
-        self.backend: DeviceBackend | None = select_backend(config.backend, self._ordered_params())
+        self.backend: DeviceBackend | None = select_backend(
+            config.backend, self._ordered_params(), master_weights=config.master_weights
+        )
         self._swap_keys()  # refuses unknown state_keys
         self._master_weights = config.master_weights
         if self._master_weights:
@@ -811,14 +814,8 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     # -- helpers ----------------------------------------------------------------
     def _as_updated(self, param: torch.Tensor) -> torch.Tensor:
-        """What the adapter is asked about for ``param``: an fp32 stand-in for a master's parameter.
-
-        An adapter with ``lazy_states`` is asked about the parameter itself (it knows the states its
-        optimizer's step made by the parameters they were made for).
-        """
-        if self._master_weights and has_master(param) and not self.adapter.lazy_states:
-            return stand_in(param)
-        return param
+        """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
+        return stand_in(param) if self._master_weights and has_master(param) else param
 
     def _check_master_weights_supported(self, params: Sequence[torch.Tensor]) -> None:
         """``master_weights=True`` where this release cannot keep its promise: refused before anything changes.
@@ -830,17 +827,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             _LOG.info("master_weights=True, but no parameter is bfloat16 or float16: no master copy is made")
             return
         name = type(self.optimizer).__name__
-        if self.backend is None:
-            raise UnsupportedOptimizerError(
-                "master_weights=True needs a swap backend in this release; these parameters are CPU tensors and "
-                "backend='auto' runs the plain optimizer. Pass SwapConfig(backend='sim') to run the swap pipeline "
-                "on the CPU, or keep master_weights=False"
-            )
         reason = self.adapter.master_weights_unsupported
         if reason is not None:
             raise UnsupportedOptimizerError(
                 f"master_weights=True is not supported yet for {name} through {type(self.adapter).__name__}: "
-                f"{reason}. Adam, AdamW, RMSprop, single-process Muon and the optimizers swap-generic runs support "
+                f"{reason}. Adam, AdamW, RMSprop, Muon and the optimizers swap-generic runs support "
                 "it (FSDP2 and HSDP included), or keep master_weights=False"
             )
 
@@ -876,7 +867,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.state,
             swap_keys=swap_keys,
             min_numel=self.config.min_numel,
-            offload_fraction=self.config.offload_fraction,
+            # CPU parameters in master-weights mode: the runtime runs for the master math, host memory is the device's.
+            offload_fraction=0.0 if isinstance(self.backend, CpuBackend) else self.config.offload_fraction,
             packed=self.config.packed,
             copy_stream=self._scheduler.d2h,
             host_memory=self.config.host_memory,

@@ -79,9 +79,7 @@ def load_swapped_state(
         if masters and MASTER_KEY in saved_state:
             _check_master_shape(saved_id, param, saved_state[MASTER_KEY])
         if saved_state:
-            # A lazy_states adapter knows states by the parameter (see StateSwapAdapter.state_mismatch).
-            asked = param if adapter.lazy_states else updated
-            problem = adapter.state_mismatch(asked, loaded_group, without_master(saved_state))
+            problem = adapter.state_mismatch(updated, loaded_group, without_master(saved_state))
             if problem is not None:
                 raise StateDictMismatchError(
                     f"Loaded state dict: the state of parameter {saved_id!r} {problem}; nothing was loaded"

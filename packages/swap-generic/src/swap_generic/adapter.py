@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.errors import UnsupportedOptimizerError
-from swap_core.master_weights import masters_presented
+from swap_core.master_weights import masters_presented, model_param
 from swap_core.torch_compat import step_hooks_silenced
 
 from .group_values import GroupValues
@@ -152,7 +152,7 @@ class GenericAdapter(StateSwapAdapter):
         Unknown (``None``) for a parameter that had none and was never stepped: a checkpoint loaded
         into a fresh optimizer is then taken as it is, as torch's load takes it.
         """
-        signature: StateSignature | None = self._signatures.get(param)  # type: ignore[no-untyped-call]
+        signature: StateSignature | None = self._signatures.get(model_param(param))  # type: ignore[no-untyped-call]
         if signature is None:
             return None
         missing = [key for key in signature if key not in state]

@@ -26,6 +26,7 @@ from torch.optim import Muon
 
 from swap_core import StateInit, StateSwapAdapter, UpdateBatch
 from swap_core.errors import UnsupportedOptimizerError
+from swap_core.master_weights import model_param
 
 from .owner_checkpoint import gather_owner_momentum, scatter_owner_momentum
 from .owner_plan import OwnerPlan, plan_owners, state_bytes
@@ -45,7 +46,6 @@ class DistributedMuonAdapter(StateSwapAdapter):
 
     swappable_keys = ("momentum_buffer",)
     reproduces = (Muon,)
-    master_weights_unsupported = "the owner rank gathers and updates whole parameters, not whole masters"
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
@@ -72,8 +72,8 @@ class DistributedMuonAdapter(StateSwapAdapter):
         self._position = {id(param): index for index, param in enumerate(params)}
 
     def owner_of(self, param: torch.Tensor) -> int:
-        """Shard-group rank that owns ``param``."""
-        return self.plan.owners[self._position[id(param)]]
+        """Shard-group rank that owns ``param`` (or the parameter an fp32 stand-in of master weights stands for)."""
+        return self.plan.owners[self._position[id(model_param(param))]]
 
     def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
         if self.owner_of(param) != self.shards.rank:
@@ -84,14 +84,21 @@ class DistributedMuonAdapter(StateSwapAdapter):
         return [state_bytes(param.shape, param.dtype) for param in params]
 
     def update(self, batch: UpdateBatch) -> None:
+        """One batch: gradients to the owners, their momentum steps and Newton-Schulz, the rows back.
+
+        With master weights, ``batch.params`` are the fp32 masters (sharded like their parameters, whose
+        owners they keep) and the gradients fp32: the owner's momentum is fp32, as ``torch.optim.Muon``'s
+        over fp32 masters, and every rank applies its rows of the update to its shard of the master.
+        """
         group = batch.group
         lr = float(group["lr"].item()) if torch.is_tensor(group["lr"]) else float(group["lr"])
-        full_grads = self._gather_to_owners(batch.params, batch.grads)
+        owners = [self.owner_of(param) for param in batch.model_params or batch.params]
+        full_grads = self._gather_to_owners(batch.params, batch.grads, owners)
         updates = [
             None if full_grad is None else _owner_update(full_grad, state["momentum_buffer"], group)
             for full_grad, state in zip(full_grads, batch.states, strict=True)
         ]
-        local_updates = self._scatter_from_owners(batch.params, updates)
+        local_updates = self._scatter_from_owners(batch.params, updates, owners)
         for param, local_update in zip(batch.params, local_updates, strict=True):
             adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], param.shape)
             local = param.to_local()  # type: ignore[attr-defined]
@@ -109,25 +116,25 @@ class DistributedMuonAdapter(StateSwapAdapter):
 
     # -- collectives ------------------------------------------------------------
     def _gather_to_owners(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], owners: Sequence[int]
     ) -> list[torch.Tensor | None]:
         """Full gradients on their owners (``None`` elsewhere): one ``all_to_all`` for the whole batch."""
         return gather_rows_to_owners(
             [grad.to_local() for grad in grads],  # type: ignore[attr-defined]
             [param.shape for param in params],
-            [self.owner_of(param) for param in params],
+            owners,
             self.shards.group,
         )
 
     def _scatter_from_owners(
-        self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor | None]
+        self, params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor | None], owners: Sequence[int]
     ) -> list[torch.Tensor]:
         """Each rank's rows of each owner's update: one ``all_to_all`` for the whole batch."""
         return scatter_rows_from_owners(
             updates,
             [param.shape for param in params],
             torch.bfloat16,  # Newton-Schulz returns bfloat16, whatever the parameter's dtype
-            [self.owner_of(param) for param in params],
+            owners,
             self.shards.group,
             _local_device(params[0]),
         )

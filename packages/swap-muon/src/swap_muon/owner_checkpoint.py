@@ -52,11 +52,12 @@ def scatter_owner_momentum(
     """
     params, ids = _ids_by_param(state_dict, param_groups)
     state = state_dict["state"]
-    held = [
-        position
+    # Each held momentum's dtype: the parameter's, or fp32 beside an fp32 master (master weights).
+    held = {
+        position: str(state[ids[id(param)]][MOMENTUM].dtype).removeprefix("torch.")
         for position, param in enumerate(params)
         if owners[position] == shards.rank and MOMENTUM in state.get(ids[id(param)], {})
-    ]
+    }
     everywhere = _union(held, shards)
     transport = _transport(shards)
     exported: dict[Any, Any] = {}
@@ -67,7 +68,8 @@ def scatter_owner_momentum(
         entry = dict(state.get(saved_id, {}))
         if position in everywhere:
             full = entry[MOMENTUM] if owners[position] == shards.rank else None
-            local = _scatter_rows(full, param, owners[position], shards, transport)
+            dtype = getattr(torch, everywhere[position])
+            local = _scatter_rows(full, param, dtype, owners[position], shards, transport)
             entry[MOMENTUM] = wrap_local(local, shard_layout(param))
         exported[saved_id] = entry
     return {**state_dict, "state": exported}
@@ -107,16 +109,21 @@ def gather_owner_momentum(
 
 # -- per-parameter collectives ----------------------------------------------------
 def _scatter_rows(
-    full: torch.Tensor | None, param: torch.Tensor, owner: int, shards: ShardGroup, transport: torch.device | None
+    full: torch.Tensor | None,
+    param: torch.Tensor,
+    dtype: torch.dtype,
+    owner: int,
+    shards: ShardGroup,
+    transport: torch.device | None,
 ) -> torch.Tensor:
-    """This rank's rows of the owner's ``full`` momentum, in host memory."""
+    """This rank's rows of the owner's ``full`` momentum (of ``dtype``), in host memory."""
     rows = chunk_rows(param.shape[0], shards.size)
     width = max(rows)
     device = transport or local_tensor(param).device
-    received = torch.empty((width, *param.shape[1:]), dtype=param.dtype, device=device)
+    received = torch.empty((width, *param.shape[1:]), dtype=dtype, device=device)
     blocks = None
     if full is not None:
-        if full.dtype != param.dtype or tuple(full.shape) != tuple(param.shape):
+        if tuple(full.shape) != tuple(param.shape):
             raise StateDictMismatchError(
                 f"Owner momentum of a {tuple(param.shape)} {param.dtype} parameter is {tuple(full.shape)} {full.dtype}"
             )
@@ -187,10 +194,11 @@ def _agreed_kinds(
     return list(local)
 
 
-def _union(held: list[int], shards: ShardGroup) -> set[int]:
-    gathered: list[list[int] | None] = [None] * shards.size
+def _union(held: dict[int, str], shards: ShardGroup) -> dict[int, str]:
+    """Every rank's ``held`` (position -> dtype name), merged: what the whole shard group holds."""
+    gathered: list[dict[int, str] | None] = [None] * shards.size
     dist.all_gather_object(gathered, held, group=shards.group)
-    return {position for positions in gathered if positions is not None for position in positions}
+    return {position: dtype for entries in gathered if entries is not None for position, dtype in entries.items()}
 
 
 def _ids_by_param(

@@ -111,7 +111,11 @@ class StateSwapAdapter(abc.ABC):
 
     @abc.abstractmethod
     def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
-        """The state a fresh parameter starts with, exactly as the wrapped optimizer would create it."""
+        """The state a fresh parameter starts with, exactly as the wrapped optimizer would create it.
+
+        With master weights, ``param`` of a bf16/fp16 parameter is an fp32 stand-in of its shape (the
+        update runs on its fp32 master); :func:`~swap_core.master_weights.model_param` gives the parameter.
+        """
 
     @abc.abstractmethod
     def update(self, batch: UpdateBatch) -> None:
@@ -136,9 +140,8 @@ class StateSwapAdapter(abc.ABC):
         An adapter with :attr:`lazy_states` knows no fresh state: the default accepts any state then.
 
         With master weights, ``state`` is the state without its master and ``param`` what the update
-        runs on: an fp32 stand-in of the parameter's shape (:func:`~swap_core.master_weights.stand_in`),
-        except for an adapter with :attr:`lazy_states`, which knows states by the parameters its
-        optimizer's step made them for and is asked about the parameter itself.
+        runs on: an fp32 stand-in of the parameter's shape (:func:`~swap_core.master_weights.stand_in`,
+        as for :meth:`initial_state`); :func:`~swap_core.master_weights.model_param` gives the parameter.
         """
         if self.lazy_states:
             return None
