@@ -34,6 +34,7 @@ from swap_ckpt import AppState, load_checkpoint
 from swap_core import SwapOptimizer
 from swap_core.master_weights import MASTER_KEY
 from swap_core.runtime import local_tensor
+from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.distributed import run_distributed
 from swap_core.testing.masters import MasterReference
 from swap_core.testing.views import planned_batches, simulator_of
@@ -97,6 +98,51 @@ def _second_world(rank: int, world_size: int, directory: Path, replicas: int) ->
     assert_snapshots_equal(expected["at_save"], local_snapshot(model, optimizer), f"rank {rank} load")
     train(model, optimizer, FIRST, SECOND, rank, dtype=torch.bfloat16)
     assert_snapshots_equal(expected["final"], local_snapshot(model, optimizer), f"rank {rank} resume")
+    if replicas == 1:  # shares this world
+        _plain_checkpoint_into_masters(rank, world_size, directory)
+
+
+def _plain_checkpoint_into_masters(rank: int, world_size: int, directory: Path) -> None:
+    """A DCP checkpoint of bf16 AdamW without master weights loads into master mode: masters from the loaded
+    shards, moments kept in fp32, one warning per rank; then it trains bitwise as AdamW over fp32 masters whose
+    moments were loaded from that checkpoint (torch's load casts them to the masters' fp32)."""
+    model = shard(build_layers().to(torch.bfloat16), world_size)
+    plain = adamw(model, swapped=True, seed=rank)
+    train(model, plain, 0, 2, rank, dtype=torch.bfloat16)
+    dcp.save({"app": AppState(model, plain)}, checkpoint_id=directory / "plain")
+
+    loaded_model = shard(build_layers().to(torch.bfloat16), world_size)
+    optimizer = adamw(loaded_model, swapped=True, seed=rank + 5, master_weights=True)
+    with pytest.warns(UserWarning, match=r"no 'master_param' for 4 bfloat16/float16 parameter\(s\)"):
+        load_checkpoint({"app": AppState(loaded_model, optimizer)}, directory / "plain")
+    params = list(loaded_model.parameters())
+    for (name, param), plain_param in zip(loaded_model.named_parameters(), model.parameters(), strict=True):
+        state, plain_state = optimizer.state[param], plain.state[plain_param]
+        assert_bitwise_equal(local_tensor(plain_param), local_tensor(param), f"rank {rank}: {name} loaded")
+        assert_bitwise_equal(
+            local_tensor(param).float(), local_tensor(state[MASTER_KEY]), f"rank {rank}: {name} master"
+        )
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert local_tensor(state[key]).dtype == torch.float32, f"rank {rank}: {name} {key} kept in fp32"
+            expected = local_tensor(plain_state[key]).float()
+            assert_bitwise_equal(expected, local_tensor(state[key]), f"rank {rank}: {name} {key}")
+
+    reference_model = shard(build_layers().to(torch.bfloat16), world_size)
+    with torch.no_grad():
+        for reference_param, param in zip(reference_model.parameters(), params, strict=True):
+            local_tensor(reference_param).copy_(local_tensor(param))
+    reference = MasterReference(
+        list(reference_model.parameters()), lambda masters: torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
+    )
+    reference.optimizer.load_state_dict(plain.state_dict())
+    for step in range(2, 4):
+        backward(loaded_model, step, rank, dtype=torch.bfloat16)
+        backward(reference_model, step, rank, dtype=torch.bfloat16)
+        optimizer.step()
+        reference.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference_model.zero_grad(set_to_none=True)
+        reference.assert_matches(optimizer, params, f"rank {rank} step {step} after the plain checkpoint")
 
 
 def _resharded_to_one_process(directory: Path) -> None:

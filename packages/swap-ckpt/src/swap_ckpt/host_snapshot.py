@@ -27,7 +27,7 @@ from swap_core.backends import StorageSpans
 
 from .torch_compat import tree_leaves, tree_map_only
 
-__all__ = ["LiveMemory", "host_copy", "host_snapshot", "private_destinations", "private_host_bytes"]
+__all__ = ["LiveMemory", "host_copy", "host_empty_like", "host_snapshot", "private_destinations", "private_host_bytes"]
 
 
 class LiveMemory:
@@ -90,7 +90,7 @@ def private_destinations(state_dict: dict[str, Any], optimizers: Iterable[torch.
     """
     live = LiveMemory(optimizers)
     private: dict[str, Any] = tree_map_only(
-        torch.Tensor, lambda tensor: _host_empty_like(tensor) if tensor in live else tensor, state_dict
+        torch.Tensor, lambda tensor: host_empty_like(tensor) if tensor in live else tensor, state_dict
     )
     return private
 
@@ -109,12 +109,13 @@ def private_host_bytes(state_dict: dict[str, Any], optimizers: Iterable[torch.op
     return sum(sizes.values())
 
 
-def _host_empty_like(tensor: torch.Tensor) -> torch.Tensor:
+def host_empty_like(tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized host tensor like ``tensor`` (a DTensor: of its layout, with a host local shard)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        return _like_dtensor(tensor, torch.empty_like(tensor.to_local(), device="cpu"))
-    return torch.empty_like(tensor.detach(), device="cpu")
+        return _like_dtensor(tensor, torch.empty_like(tensor.to_local(), dtype=dtype, device="cpu"))
+    return torch.empty_like(tensor.detach(), dtype=dtype, device="cpu")
 
 
 def _like_dtensor(tensor: Any, local: torch.Tensor) -> torch.Tensor:

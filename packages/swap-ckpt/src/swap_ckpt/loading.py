@@ -10,9 +10,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .app_state import AppState
+from .app_state import OPTIM_KEY, AppState
 from .planner import StrictLoadPlanner
 from .reader import CheckedFileSystemReader, check_metadata
+from .saved_without_masters import as_saved_without_masters
 
 __all__ = ["load_checkpoint"]
 
@@ -40,10 +41,18 @@ def load_checkpoint(
     state instead (as ``dcp.load`` does): no extra host memory, but a read that fails after the
     checks (an I/O error) leaves the state partly overwritten; load again. Other ``Stateful``
     values and plain entries are loaded as ``dcp.load`` loads them.
+
+    A checkpoint saved without master weights loads into optimizers with ``master_weights=True``:
+    their masters start as the loaded parameters and the loaded states are kept in fp32, with one
+    warning naming how many (as ``SwapOptimizer.load_state_dict`` does).
     """
-    check_metadata(checkpoint_dir)
+    metadata = check_metadata(checkpoint_dir)
     keys = sorted(state_dict)  # as dcp.load: every rank loads its entries in the same order
     targets = {key: _load_target(state_dict[key], in_place=in_place) for key in keys}
+    for key in keys:
+        if isinstance(state_dict[key], AppState):  # saved without master weights, loaded with them
+            optim = targets[key][OPTIM_KEY]
+            targets[key][OPTIM_KEY] = as_saved_without_masters(optim, metadata, f"{key}.{OPTIM_KEY}")
     try:
         load(
             targets,
