@@ -53,6 +53,19 @@ def _swapped(world_size: int, rank: int, replicas: int = 1) -> tuple[torch.nn.Mo
     return model, adamw(model, swapped=True, seed=rank, master_weights=True)
 
 
+def _step_beside_the_reference(
+    swapped: tuple[torch.nn.Module, torch.optim.Optimizer],
+    reference: tuple[torch.nn.Module, MasterReference],
+    step: int,
+    rank: int,
+) -> None:
+    """One training step of the swapped run and of its reference over fp32 masters, on the same inputs."""
+    for model, optimizer in (swapped, reference):
+        backward(model, step, rank, dtype=torch.bfloat16)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+
+
 def _first_world(rank: int, world_size: int, directory: Path, replicas: int) -> None:
     model, optimizer = _swapped(world_size, rank, replicas)
     assert isinstance(optimizer, SwapOptimizer)
@@ -65,12 +78,7 @@ def _first_world(rank: int, world_size: int, directory: Path, replicas: int) -> 
     sim = simulator_of(optimizer)
     at_save = None
     for step in range(FIRST + SECOND):
-        backward(model, step, rank, dtype=torch.bfloat16)
-        backward(reference_model, step, rank, dtype=torch.bfloat16)
-        optimizer.step()
-        reference.step()
-        optimizer.zero_grad(set_to_none=True)
-        reference_model.zero_grad(set_to_none=True)
+        _step_beside_the_reference((model, optimizer), (reference_model, reference), step, rank)
         reference.assert_matches(optimizer, params, f"rank {rank} step {step}")
         # Between steps no master or moment of a swapped parameter is on the device, only the resident ones.
         for param in params:
@@ -136,12 +144,7 @@ def _plain_checkpoint_into_masters(rank: int, world_size: int, directory: Path) 
     )
     reference.optimizer.load_state_dict(plain.state_dict())
     for step in range(2, 4):
-        backward(loaded_model, step, rank, dtype=torch.bfloat16)
-        backward(reference_model, step, rank, dtype=torch.bfloat16)
-        optimizer.step()
-        reference.step()
-        optimizer.zero_grad(set_to_none=True)
-        reference_model.zero_grad(set_to_none=True)
+        _step_beside_the_reference((loaded_model, optimizer), (reference_model, reference), step, rank)
         reference.assert_matches(optimizer, params, f"rank {rank} step {step} after the plain checkpoint")
 
 
