@@ -26,6 +26,8 @@ from swap_core.testing.conformance import through_torch_save
 from swap_core.testing.masters import MasterReference, mixed_precision_params, set_same_grads
 from swap_generic import GenericAdapter
 
+pytestmark = pytest.mark.sim_only  # the simulator's checks (races, owns) are the point
+
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 MIN_NUMEL = 64
