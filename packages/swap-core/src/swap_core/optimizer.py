@@ -27,6 +27,8 @@ from .adapters.overrides import check_instance_step
 from .backend_selection import select_backend
 from .backends.cpu import CpuBackend
 from .backends.protocol import DeviceBackend
+from .backends.sim import SimBackend
+from .backends.sim.timing import ModeledTimes
 from .config import SwapConfig
 from .errors import SwapStateError, UnsupportedOptimizerError
 from .master_weights import (
@@ -251,6 +253,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self.optimizer.step()
                 return loss
             started = time.perf_counter()
+            modeled_start = self._modeled_times()
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
             try:
@@ -281,8 +284,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         stats.host_pinned_bytes = self._store.host_pinned_bytes if self._store is not None else 0
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
+        if modeled_start is not None:
+            _set_modeled_seconds(stats, modeled_start, self._modeled_times())
         self.stats = stats
         return loss
+
+    def _modeled_times(self) -> ModeledTimes | None:
+        """The simulator's virtual clock now, when the backend has one."""
+        return self.backend.modeled_times() if isinstance(self.backend, SimBackend) else None
 
     @contextlib.contextmanager
     def _amp_attributes_forwarded(self) -> Iterator[None]:
@@ -893,6 +902,14 @@ class SwapOptimizer(torch.optim.Optimizer):
                     new.append((_slot_like(value, key, value.dtype, param=param), value))
         self._store.add(new, self._ordered_params() if order is None else order, unpacked=unpacked)
         return len(new)
+
+
+def _set_modeled_seconds(stats: SwapStats, start: ModeledTimes, end: ModeledTimes | None) -> None:
+    """``stats.modeled_step_seconds`` and ``modeled_transfer_seconds`` from the virtual clock at entry and at exit."""
+    assert end is not None
+    entered = max(start.host, start.compute)
+    stats.modeled_step_seconds = max(end.compute - entered, 0.0)
+    stats.modeled_transfer_seconds = max(end.transfers - start.host, 0.0)
 
 
 def _with_grad(

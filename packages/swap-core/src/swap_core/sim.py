@@ -12,5 +12,18 @@ from swap_core.backends.sim import (
     SimMode,
     SimStream,
 )
+from swap_core.backends.sim.timing import LINK_PRESETS, LinkModel, ModeledTimes
 
-__all__ = ["SIM_MODES", "CopyStats", "MemoryKind", "OnRace", "SimBackend", "SimEvent", "SimMode", "SimStream"]
+__all__ = [
+    "LINK_PRESETS",
+    "SIM_MODES",
+    "CopyStats",
+    "LinkModel",
+    "MemoryKind",
+    "ModeledTimes",
+    "OnRace",
+    "SimBackend",
+    "SimEvent",
+    "SimMode",
+    "SimStream",
+]

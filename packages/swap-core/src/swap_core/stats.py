@@ -41,3 +41,13 @@ class SwapStats:
 
     step_seconds: float = 0.0
     """Host wall time of ``step()`` (asynchronous device work may still be running when it returns)."""
+
+    modeled_step_seconds: float | None = None
+    """On the simulator's virtual clock (``SimBackend(timing=...)``): how far the step pushed back the
+    compute stream, i.e. the time a training loop loses to it (when the compute stream is free after
+    the step's work, less when it was free, or the host issued ``step()``, at entry). ``None`` without
+    a timing model."""
+
+    modeled_transfer_seconds: float | None = None
+    """On the virtual clock: from ``step()``'s entry until its last offload finished. ``None`` without a
+    timing model."""

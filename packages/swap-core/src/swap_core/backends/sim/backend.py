@@ -46,6 +46,7 @@ from .memory import (
 )
 from .race_checker import COMPUTE_AGENT, AccessRequest, OnRace, RaceChecker
 from .streams import QueuedCopy, QueuedWait, SimEvent, SimStream, StreamScheduler
+from .timing import LinkModel, ModeledTimes, TimedComputeMode, VirtualClock
 
 if TYPE_CHECKING:
     from swap_core.backends.protocol import DeviceBackend
@@ -90,6 +91,11 @@ class SimBackend:
             power-of-two rounding, warning once.
         host_bytes: simulate a host with this much available memory (less the live
             pinned buffers) instead of reading the real host's.
+        timing: a :class:`~swap_core.backends.sim.timing.LinkModel` gives every stream a
+            virtual timeline (:mod:`~swap_core.backends.sim.timing`): copies last bytes over
+            the link, compute ops inside :meth:`compute_scope` bytes over device bandwidth,
+            events carry times; read them with :meth:`modeled_times`. Deterministic: the same
+            in every mode and on every machine. ``None``: no virtual clock.
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class SimBackend:
         on_race: OnRace = "raise",
         exact_pinning: bool = True,
         host_bytes: int | None = None,
+        timing: LinkModel | None = None,
     ) -> None:
         if mode not in SIM_MODES:
             raise ValueError(f"Invalid simulator mode: {mode!r}; expected one of {SIM_MODES}")
@@ -134,6 +141,11 @@ class SimBackend:
             ComputeOpChecker(self._registry, self._race_checker, self._tick) if self._race_checker is not None else None
         )
         self._active_mode: ComputeCheckMode | None = None
+        if timing is not None and not isinstance(timing, LinkModel):
+            raise TypeError(f"SimBackend timing must be a LinkModel or None, got {type(timing).__name__}")
+        self.timing = timing
+        self._clock = VirtualClock(timing) if timing is not None else None
+        self._timed_mode: TimedComputeMode | None = None
         self._fault: CopyFault | None = None
         self._warned: set[str] = set()
 
@@ -351,6 +363,8 @@ class SimBackend:
         self.copy_stats.add(direction, nbytes)
         if self._race_checker is not None:
             self._record_copy(sim_stream, direction, dst, dst_record, src, src_record)
+        clock = self._clock
+        copied_at = clock.issue(sim_stream.name, clock.link.copy_seconds(direction, nbytes)) if clock else 0.0
         op = QueuedCopy(dst, src, direction)
         pageable = (dst_record is not None and dst_record.is_pageable) or (
             src_record is not None and src_record.is_pageable
@@ -367,6 +381,8 @@ class SimBackend:
                 self._scheduler.drain(sim_stream)
         if pageable and self._race_checker is not None:
             self._race_checker.host_waits_for(sim_stream.name)
+        if pageable and clock is not None:  # a copy from pageable memory blocks the host
+            clock.host_waits(copied_at)
 
     def record_event(self, stream: Stream, *, timing: bool = False) -> Event:
         """An event at the current end of ``stream`` (always complete on the eager compute stream).
@@ -377,15 +393,22 @@ class SimBackend:
         self._tick()
         sim_stream = self._own_stream(stream)
         snapshot = self._race_checker.snapshot(sim_stream.name) if self._race_checker is not None else None
-        return SimEvent(self, sim_stream, sim_stream.enqueued, snapshot, time.perf_counter())
+        event = SimEvent(self, sim_stream, sim_stream.enqueued, snapshot, time.perf_counter())
+        clock = self._clock
+        if clock is not None:  # the stream's end, or now if it is idle
+            event.modeled_at = max(clock.host, clock.free_at(sim_stream.name))
+        return event
 
     def elapsed_seconds(self, start: Event, end: Event) -> float:
         """Simulated time between two events: host time between their completions (runs their streams up to them).
 
         An event completes when its stream's queued work before it has run; in ``sync`` mode that is when it
-        was recorded, in ``lazy`` and ``random`` mode whenever that work was forced to run.
+        was recorded, in ``lazy`` and ``random`` mode whenever that work was forced to run. With ``timing``,
+        the virtual time between them instead (traces then show the modeled timeline, with its overlap).
         """
         start_event, end_event = self._own_event(start), self._own_event(end)
+        if start_event.modeled_at is not None and end_event.modeled_at is not None:
+            return end_event.modeled_at - start_event.modeled_at
         start_event.synchronize()
         end_event.synchronize()
         assert start_event.completed_at is not None and end_event.completed_at is not None
@@ -398,6 +421,8 @@ class SimBackend:
         sim_event = self._own_event(event)
         if self._race_checker is not None and sim_event.snapshot is not None:
             self._race_checker.wait(sim_stream.name, sim_event.snapshot)
+        if self._clock is not None and sim_event.modeled_at is not None:
+            self._clock.wait(sim_stream.name, sim_event.modeled_at)
         if sim_event.done:
             return
         if sim_stream.is_compute:
@@ -413,17 +438,36 @@ class SimBackend:
         self._scheduler.drain_all()
         if self._race_checker is not None:
             self._race_checker.host_waits_all()
+        if self._clock is not None:
+            self._clock.host_waits(self._clock.latest())
 
     def compute_scope(self) -> contextlib.AbstractContextManager[None]:
-        """Check every op inside (use after free, host/device mixing, races) when ``check_races`` is on.
+        """Check every op inside (use after free, host/device mixing, races) when ``check_races`` is on, and
+        time it on the compute stream's virtual timeline with ``timing``.
 
         These checks exist only inside the scope and only with checks on; with
-        ``check_races=False`` this is :func:`contextlib.nullcontext` and no op is
-        intercepted. Nested scopes of one backend check each op once.
+        ``check_races=False`` and no ``timing`` this is :func:`contextlib.nullcontext` and no op is
+        intercepted. Nested scopes of one backend check and time each op once.
         """
-        if self._op_checker is None:
+        if self._op_checker is None and self._clock is None:
             return contextlib.nullcontext()
         return self._checked_scope(self._op_checker)
+
+    def model_compute(self, seconds: float) -> None:
+        """Put ``seconds`` of modeled work (a forward and backward) on the compute stream's virtual timeline."""
+        if self._clock is None:
+            raise ValueError("model_compute needs a virtual clock: SimBackend(timing=LinkModel(...))")
+        if not seconds >= 0:
+            raise ValueError(f"model_compute needs seconds >= 0, got {seconds!r}")
+        self._clock.issue(self._scheduler.compute.name, seconds)
+
+    def modeled_times(self) -> ModeledTimes | None:
+        """Where the virtual clock stands now, or ``None`` without ``timing``."""
+        clock = self._clock
+        if clock is None:
+            return None
+        copies = [clock.free_at(stream.name) for stream in self._scheduler.copy_streams]
+        return ModeledTimes(clock.host, clock.free_at(self._scheduler.compute.name), max(copies, default=0.0))
 
     # -- simulator extras ------------------------------------------------------
     def fail_copy(self, at: int, direction: str | None = None) -> None:
@@ -451,10 +495,14 @@ class SimBackend:
         if self._rng is not None:
             self._scheduler.run_random(self._rng)
 
-    def _untracked(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _untracked(self) -> Iterator[None]:
         """The simulator's own tensor ops (fills, copies) are not compute ops of the program."""
-        mode = self._active_mode
-        return contextlib.nullcontext() if mode is None else mode.paused()
+        with contextlib.ExitStack() as stack:
+            for mode in (self._active_mode, self._timed_mode):
+                if mode is not None:
+                    stack.enter_context(mode.paused())
+            yield
 
     def _execute_copy(self, op: QueuedCopy) -> None:
         for tensor, role in ((op.dst, "destination"), (op.src, "source")):
@@ -463,11 +511,10 @@ class SimBackend:
                     f"A {op.direction} copy ran after the storage of its {role} was released "
                     "(release_storage before the copy stream finished with it); the copy is dropped"
                 )
-        mode = self._active_mode
-        if mode is None:
+        if self._active_mode is None and self._timed_mode is None:
             op.dst.copy_(op.src)
         else:
-            with mode.paused():
+            with self._untracked():
                 op.dst.copy_(op.src)
 
     def _record_copy(
@@ -533,17 +580,21 @@ class SimBackend:
         raise ValueError(f"{event!r} is not an event of this SimBackend")
 
     @contextlib.contextmanager
-    def _checked_scope(self, checker: ComputeOpChecker) -> Iterator[None]:
-        if self._active_mode is not None:
+    def _checked_scope(self, checker: ComputeOpChecker | None) -> Iterator[None]:
+        if self._active_mode is not None or self._timed_mode is not None:
             yield
             return
-        mode = ComputeCheckMode(checker)
-        self._active_mode = mode
+        check = ComputeCheckMode(checker) if checker is not None else None
+        timed = TimedComputeMode(self._clock, self._scheduler.compute.name) if self._clock is not None else None
+        self._active_mode, self._timed_mode = check, timed
         try:
-            with mode:
+            with contextlib.ExitStack() as modes:
+                for mode in (timed, check):  # the checks innermost: an op they refuse takes no time
+                    if mode is not None:
+                        modes.enter_context(mode)
                 yield
         finally:
-            self._active_mode = None
+            self._active_mode, self._timed_mode = None, None
 
     # -- event callbacks (SimEvent delegates here) ---------------------------
     def _query_event(self, event: SimEvent) -> bool:
@@ -557,6 +608,8 @@ class SimBackend:
     def _synchronize_event(self, event: SimEvent) -> None:
         self._tick()
         self._scheduler.force(event.stream, event.position)
+        if self._clock is not None and event.modeled_at is not None:
+            self._clock.host_waits(event.modeled_at)
         if self._race_checker is not None and event.snapshot is not None:
             self._race_checker.host_waits(event.snapshot)
 

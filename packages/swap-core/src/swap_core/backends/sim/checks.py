@@ -17,16 +17,16 @@ neutral and untracked.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from swap_core.errors import SimMixedDeviceError, SimUseAfterFreeError
-from swap_core.torch_compat import OpOverload, TorchDispatchMode, op_schema, storage_id
+from swap_core.torch_compat import OpOverload, op_schema, storage_id
 
 from .memory import MemoryKind, MemoryRegistry, StorageRecord, byte_span
+from .op_modes import ProgramOpMode
 from .race_checker import COMPUTE_AGENT, HOST_AGENT, AccessRequest, RaceChecker
 
 __all__ = ["ComputeCheckMode", "ComputeOpChecker", "OpAccessPattern", "op_access_pattern"]
@@ -191,33 +191,14 @@ def _use_after_free_message(
     )
 
 
-class ComputeCheckMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+class ComputeCheckMode(ProgramOpMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
     """Runs :class:`ComputeOpChecker` on every op; internal copies of the simulator pause it."""
 
     def __init__(self, checker: ComputeOpChecker) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self._checker = checker
-        self._paused = 0
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Let the simulator's own copies and fills through unchecked (they are accounted for already)."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-
-    def __torch_dispatch__(
-        self,
-        func: OpOverload,
-        types: Sequence[type],
-        args: Sequence[object] = (),
-        kwargs: Mapping[str, object] | None = None,
-    ) -> object:
-        kwargs = kwargs or {}
-        if self._paused:
-            return func(*args, **kwargs)
+    def run_op(self, func: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> object:
         pattern = op_access_pattern(func)
         if not pattern.touches_data:
             return func(*args, **kwargs)

@@ -85,7 +85,7 @@ class EventOwner(Protocol):
 class SimEvent:
     """The point of ``stream``'s queue reached when the event was recorded."""
 
-    __slots__ = ("completed_at", "owner", "position", "recorded_at", "snapshot", "stream")
+    __slots__ = ("completed_at", "modeled_at", "owner", "position", "recorded_at", "snapshot", "stream")
 
     def __init__(
         self, owner: EventOwner, stream: SimStream, position: int, snapshot: VectorClock | None, recorded_at: float
@@ -96,6 +96,8 @@ class SimEvent:
         self.snapshot = snapshot
         self.recorded_at = recorded_at
         """Host clock when recorded."""
+        self.modeled_at: float | None = None
+        """Virtual time of the work before the event (with a timing model; see ``swap_core.backends.sim.timing``)."""
         self.completed_at: float | None = recorded_at if self.done else None
         """Host clock when the work before the event had run: the simulated clock (``None`` until then)."""
         if self.completed_at is None:
