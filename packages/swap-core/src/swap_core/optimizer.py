@@ -154,6 +154,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._params_version = 0
         self._resident_bytes = 0
         self._every_param_ready = False
+        self._prefetched_at: ModeledTimes | None = None
         self._step_grads: list[torch.Tensor | None] = []
         self._tracked = TrackedState()
         self._seen_state_version = -1
@@ -254,6 +255,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 return loss
             started = time.perf_counter()
             modeled_start = self._modeled_times()
+            transfers_from, self._prefetched_at = self._prefetched_at, None
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
             try:
@@ -285,13 +287,34 @@ class SwapOptimizer(torch.optim.Optimizer):
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
         if modeled_start is not None:
-            _set_modeled_seconds(stats, modeled_start, self._modeled_times())
+            _set_modeled_seconds(stats, modeled_start, self._modeled_times(), transfers_from)
         self.stats = stats
         return loss
 
     def _modeled_times(self) -> ModeledTimes | None:
         """The simulator's virtual clock now, when the backend has one."""
         return self.backend.modeled_times() if isinstance(self.backend, SimBackend) else None
+
+    def prefetch(self) -> None:
+        """Start copying the first batch's states to the device now, ahead of ``step()`` (e.g. right after backward).
+
+        The next ``step()`` then begins with that batch already on its way, so the copy overlaps what
+        runs before it. Idempotent: a second call before the step does nothing. Nothing happens with
+        CPU parameters, or while states are still to be created (before the first step). If the state
+        or the param groups change before the step (a load, an edit), the step drops the prefetch and
+        runs as without it; ``synchronize()`` waits for its copy. Between ``prefetch()`` and ``step()``
+        change states only through the optimizer (``load_state_dict``, assigning or deleting entries):
+        a host tensor written in place after its copy started would not reach that step.
+        """
+        if self._scheduler is None or self._scheduler.prefetched:
+            return
+        self._follow_edits(self._ordered_params())
+        plan = self._current_plan()
+        if not plan.all_states_exist:  # the step creates states, which changes the plan
+            return
+        issued_at = self._modeled_times()
+        self._scheduler.prefetch(plan)
+        self._prefetched_at = issued_at
 
     @contextlib.contextmanager
     def _amp_attributes_forwarded(self) -> Iterator[None]:
@@ -904,12 +927,16 @@ class SwapOptimizer(torch.optim.Optimizer):
         return len(new)
 
 
-def _set_modeled_seconds(stats: SwapStats, start: ModeledTimes, end: ModeledTimes | None) -> None:
-    """``stats.modeled_step_seconds`` and ``modeled_transfer_seconds`` from the virtual clock at entry and at exit."""
+def _set_modeled_seconds(
+    stats: SwapStats, start: ModeledTimes, end: ModeledTimes | None, prefetched: ModeledTimes | None
+) -> None:
+    """``stats.modeled_step_seconds`` and ``modeled_transfer_seconds`` from the virtual clock at entry and at exit
+    (the transfers from ``prefetched``, the clock when ``prefetch()`` started them, if it did)."""
     assert end is not None
     entered = max(start.host, start.compute)
     stats.modeled_step_seconds = max(end.compute - entered, 0.0)
-    stats.modeled_transfer_seconds = max(end.transfers - start.host, 0.0)
+    transfers_from = prefetched.host if prefetched is not None else start.host
+    stats.modeled_transfer_seconds = max(end.transfers - transfers_from, 0.0)
 
 
 def _with_grad(

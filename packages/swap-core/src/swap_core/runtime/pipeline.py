@@ -51,6 +51,27 @@ class PipelineScheduler:
         self._stranded: list[PlannedBatch] = []
         self._stranded_plan: SwapPlan | None = None
         self._timeline: _Timeline | None = None
+        self._early: _EarlyPrefetch | None = None
+
+    def prefetch(self, plan: SwapPlan) -> None:
+        """Start ``plan``'s first copy-in now, before the step that runs ``plan`` (nothing if one is pending).
+
+        The step then waits for it instead of issuing it; a step that runs another plan (the state or
+        the param groups changed meanwhile) first drops it. If an enqueue fails, nothing is pending.
+        """
+        if self._early is not None or not plan.batches:
+            return
+        self._settle()
+        packed = plan.arenas is not None
+        if plan.arenas is not None:
+            plan.arenas.acquire()
+        counted = SwapStats()
+        try:
+            event = self._prefetch(plan.batches[0], counted, packed=packed)
+        except BaseException:
+            self._free_first_batch(plan, self.backend.record_event(self.h2d))
+            raise
+        self._early = _EarlyPrefetch(plan, event, counted.h2d_copies, counted.h2d_bytes)
 
     def run(
         self,
@@ -63,6 +84,7 @@ class PipelineScheduler:
     ) -> None:
         """One step: every batch prefetched, updated and offloaded, in order (timed into ``trace`` if given)."""
         self._timeline = _Timeline(self.backend, self.compute) if trace is not None else None
+        early = self._take_early(plan)
         self._settle()
         packed = plan.arenas is not None
         if plan.arenas is not None:
@@ -71,7 +93,12 @@ class PipelineScheduler:
         prefetched: list[Event] = []
         offloaded: list[Event] = []
         with self._recover_on_error(plan):
-            prefetched.append(self._prefetch(batches[0], stats, packed=packed))
+            if early is not None:  # batch 0 was copied in by prefetch()
+                stats.h2d_copies += early.copies
+                stats.h2d_bytes += early.nbytes
+                prefetched.append(early.event)
+            else:
+                prefetched.append(self._prefetch(batches[0], stats, packed=packed))
             for index, batch in enumerate(batches):
                 if index + 1 < len(batches):
                     if index >= 1:
@@ -93,8 +120,16 @@ class PipelineScheduler:
             trace.intervals.extend(self._timeline.intervals())
         self._timeline = None
 
+    @property
+    def prefetched(self) -> bool:
+        """Whether a :meth:`prefetch` is pending (the next step's first copy-in is issued)."""
+        return self._early is not None
+
     def synchronize(self) -> None:
-        """Block until every offload finished, so host mirrors are authoritative."""
+        """Block until every offload (and a pending prefetch's copy-in) finished, so host mirrors may be read
+        and written."""
+        if self._early is not None:
+            self._early.event.synchronize()
         self._retry_stranded(final=True)
         if self._last_offload is not None:
             self._last_offload.synchronize()
@@ -162,6 +197,26 @@ class PipelineScheduler:
 
     def _after_compute(self, stream: Stream) -> None:
         self.backend.wait_event(stream, self.backend.record_event(self.compute))
+
+    # -- an early prefetch ---------------------------------------------------------
+    def _take_early(self, plan: SwapPlan) -> _EarlyPrefetch | None:
+        """The pending prefetch of ``plan``'s first batch, or ``None``; one of another plan is dropped."""
+        early, self._early = self._early, None
+        if early is None or early.plan is plan:
+            return early
+        transition(early.plan.batches[0].slots, SlotState.H2D, SlotState.HOST)
+        self._free_first_batch(early.plan, early.event)
+        return None
+
+    def _free_first_batch(self, plan: SwapPlan, copied: Event) -> None:
+        """The staging memory of ``plan``'s first batch (its arenas, in packed mode), once ``copied`` passed."""
+        self.backend.wait_event(self.compute, copied)
+        if plan.arenas is not None:
+            plan.arenas.release()
+            return
+        for view in plan.batches[0].device_views:
+            if view.untyped_storage().nbytes() > 0:
+                self.backend.release_storage(view)
 
     # -- between steps --------------------------------------------------------
     def _settle(self) -> None:
@@ -231,6 +286,18 @@ class PipelineScheduler:
             for view in batch.device_views:
                 if view.untyped_storage().nbytes() > 0:
                     self.backend.release_storage(view)
+
+
+class _EarlyPrefetch:
+    """A first batch copied in by :meth:`PipelineScheduler.prefetch` before its step."""
+
+    __slots__ = ("copies", "event", "nbytes", "plan")
+
+    def __init__(self, plan: SwapPlan, event: Event, copies: int, nbytes: int) -> None:
+        self.plan = plan
+        self.event = event
+        self.copies = copies
+        self.nbytes = nbytes
 
 
 def _profiler_range(name: str) -> contextlib.AbstractContextManager[object]:
