@@ -75,6 +75,7 @@ def test_states_and_masters_are_fp32_and_the_params_keep_their_dtype() -> None:
     optimizer = swapped(params, SimBackend())
     set_same_grads(0, params)
     optimizer.step()
+    optimizer.synchronize()  # host mirrors are read: the last offload must have run
     for param, (_, dtype) in zip(params, SHAPES_AND_DTYPES, strict=True):
         assert param.dtype == dtype
         state = optimizer.state[param]

@@ -295,3 +295,26 @@ def test_storage_spans_find_a_tensor_by_its_bytes_not_by_its_storage() -> None:
     assert alias.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     assert alias in spans
     assert other[9:] in StorageSpans([other, buffer[:5]])
+
+
+def test_a_stream_ordered_release_frees_behind_the_copy_still_reading() -> None:
+    """release_storage(t, in_use_on=stream): uncounted at once, freed when the stream's queue reaches it (the
+    pending copy still reads the right bytes), and a restore is ordered after it: no race, no stale read."""
+    sim = SimBackend(mode="lazy")
+    device = sim.empty((1024,), torch.float32)
+    with sim.compute_scope():
+        device.fill_(3.0)
+    host = sim.empty_host(1024, torch.float32)
+    d2h = sim.new_stream()
+    sim.wait_event(d2h, sim.record_event(sim.compute_stream()))
+    sim.copy(host, device, stream=d2h)  # queued: lazy mode runs it only when forced
+    sim.release_storage(device, in_use_on=d2h)
+    assert sim.memory_allocated() == 0, "the bytes leave the accounting at once, as an allocator's count does"
+    assert device.untyped_storage().nbytes() == 4096, "not freed before the copy that reads it ran"
+    sim.restore_storage(device)  # the allocator hands the block back only after the stream freed it
+    assert sim.memory_allocated() == 4096
+    with sim.compute_scope():
+        device.fill_(5.0)
+    sim.synchronize()
+    assert torch.equal(host, torch.full((1024,), 3.0)), "the copy read the bytes before they were reused"
+    assert not sim.races, sim.races

@@ -211,3 +211,35 @@ def test_the_clock_runs_beside_the_race_checker_and_poison() -> None:
         assert not sim.races
         times.append((optimizer.stats.modeled_step_seconds, optimizer.stats.modeled_transfer_seconds))
     assert times[0] == times[1], times
+
+
+def _warm_step_with_prefetch(link: LinkModel, *, prefetch: bool) -> tuple[float, int, SimBackend]:
+    """AdamW's third step, batch 0 prefetched (or not) before 5 ms of modeled backward; returns the step's modeled
+    seconds, its swapped bytes and the backend."""
+    sim = _sim(link)
+    params = [torch.nn.Parameter(torch.randn(NUMEL, generator=torch.Generator().manual_seed(i))) for i in range(16)]
+    optimizer = swap_optimizer(torch.optim.AdamW(params, lr=1e-3, foreach=True), SwapConfig(backend=sim, swap_times=4))
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.ones_like(param)
+        if prefetch:
+            optimizer.prefetch()
+        sim.model_compute(5e-3)
+        optimizer.step()
+    assert optimizer.stats.modeled_step_seconds is not None
+    return optimizer.stats.modeled_step_seconds, optimizer.stats.h2d_bytes, sim
+
+
+def test_with_prefetch_and_no_end_wait_a_step_costs_the_loop_near_the_hidden_bound() -> None:
+    """Issue 14's goal: modeled_step_seconds <= 1.05 x (max(S/B↓, S/B↑)·(1 - 1/k) + T_c/k), here 1.045 at k = 4:
+    batch 0 came in during the backward, and the last copy-out runs into the next forward."""
+    link = LinkModel.preset("pcie4")
+    step, swapped, sim = _warm_step_with_prefetch(link, prefetch=True)
+    fast_link = LinkModel(h2d_gbps=1e6, d2h_gbps=1e6, device_gbps=1555.0, device_tflops=312.0)
+    update_seconds, _, _ = _warm_step_with_prefetch(fast_link, prefetch=False)
+    bound = swapped / (link.h2d_gbps * 1e9) * (1 - 1 / 4) + update_seconds / 4
+    assert step <= 1.05 * bound, (step, bound)
+    times = sim.modeled_times()
+    assert times is not None and times.compute < times.transfers, "the compute stream did not wait for the last offload"
+    without_prefetch, _, _ = _warm_step_with_prefetch(link, prefetch=False)
+    assert without_prefetch > 1.3 * bound, "without prefetch the first copy-in is on the step's path"

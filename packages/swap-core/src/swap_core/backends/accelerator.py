@@ -199,8 +199,14 @@ class AcceleratorBackend:
             stacklevel=3,
         )
 
-    def release_storage(self, tensor: torch.Tensor) -> None:
-        """Hand the bytes back to the caching allocator; the tensor keeps its shape with an empty storage."""
+    def release_storage(self, tensor: torch.Tensor, *, in_use_on: Stream | None = None) -> None:
+        """Hand the bytes back to the caching allocator; the tensor keeps its shape with an empty storage.
+
+        ``in_use_on``: ``tensor.record_stream(stream)`` first, so the allocator reuses the block only once
+        the work already issued to that stream is done (not yet run on hardware).
+        """
+        if in_use_on is not None:
+            tensor.record_stream(in_use_on)  # type: ignore[arg-type]
         tensor.untyped_storage().resize_(0)
 
     def restore_storage(self, tensor: torch.Tensor) -> None:

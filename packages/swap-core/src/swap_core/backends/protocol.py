@@ -93,8 +93,14 @@ class DeviceBackend(Protocol):
         """Host bytes that can still be allocated, or ``None`` where it is unknown."""
         ...
 
-    def release_storage(self, tensor: torch.Tensor) -> None:
-        """Free the device storage behind ``tensor`` (the tensor object stays valid but empty)."""
+    def release_storage(self, tensor: torch.Tensor, *, in_use_on: Stream | None = None) -> None:
+        """Free the device storage behind ``tensor`` (the tensor object stays valid but empty).
+
+        ``in_use_on``: work already issued to that stream still reads the storage; the bytes are freed
+        stream-ordered, handed out again only once that work is done (a caching allocator's
+        ``record_stream``), so the compute stream need not wait for it. Otherwise the compute stream must
+        have waited for every copy still using the storage.
+        """
         ...
 
     def restore_storage(self, tensor: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from ..backends.host_memory import HostMemoryMode, pinned_size
-from ..backends.protocol import DeviceBackend
+from ..backends.protocol import DeviceBackend, Stream
 from .slots import SwapSlot
 
 __all__ = [
@@ -110,10 +110,11 @@ class StagingArenas:
                 self._backend.restore_storage(arena)
             self.allocated = True
 
-    def release(self) -> None:
+    def release(self, *, in_use_on: Stream | None = None) -> None:
+        """Free the arenas (stream-ordered behind the work issued to ``in_use_on``, see ``release_storage``)."""
         if self.allocated:
             for arena in self.arenas:
-                self._backend.release_storage(arena)
+                self._backend.release_storage(arena, in_use_on=in_use_on)
             self.allocated = False
 
 

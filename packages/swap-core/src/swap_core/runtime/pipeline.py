@@ -108,13 +108,15 @@ class PipelineScheduler:
                 self._update(batch, prefetched[index], update)
                 offloaded.append(self._offload(batch, stats))
             self._last_offload = offloaded[-1]
+            # The last offloads still read their staging memory: it is freed stream-ordered behind them, so the
+            # compute stream (the next forward) does not wait for them.
             if packed and not keep_staging:
-                self.backend.wait_event(self.compute, offloaded[-1])
                 assert plan.arenas is not None
-                plan.arenas.release()
+                plan.arenas.release(in_use_on=self.d2h)
             if not packed:
-                for index in range(max(len(batches) - 2, 0), len(batches)):
-                    self._reclaim(batches[index], offloaded[index], packed=False)
+                for batch in batches[max(len(batches) - 2, 0) :]:
+                    for view in batch.device_views:
+                        self.backend.release_storage(view, in_use_on=self.d2h)
         stats.batches = len(batches)
         if trace is not None and self._timeline is not None:
             trace.intervals.extend(self._timeline.intervals())

@@ -45,7 +45,7 @@ from .memory import (
     storage_too_small,
 )
 from .race_checker import COMPUTE_AGENT, AccessRequest, OnRace, RaceChecker
-from .streams import QueuedCopy, QueuedWait, SimEvent, SimStream, StreamScheduler
+from .streams import QueuedCopy, QueuedRelease, QueuedWait, SimEvent, SimStream, StreamScheduler
 from .timing import LinkModel, ModeledTimes, TimedComputeMode, VirtualClock
 
 if TYPE_CHECKING:
@@ -255,33 +255,69 @@ class SimBackend:
             stacklevel=3,
         )
 
-    def release_storage(self, tensor: torch.Tensor) -> None:
+    def release_storage(self, tensor: torch.Tensor, *, in_use_on: Stream | None = None) -> None:
         """Free the storage on the compute stream; the compute stream must have waited for copies still using it.
 
         A plain CPU tensor (an optimizer state created by torch) becomes tracked
         device memory here, so that a later use of it inside :meth:`compute_scope`
         raises :class:`~swap_core.errors.SimUseAfterFreeError` instead of crashing.
+
+        ``in_use_on`` (a copy stream): freed stream-ordered instead, as a caching allocator frees a block
+        with ``record_stream``. The bytes leave :meth:`memory_allocated` now; the storage is freed when
+        the stream's queue reaches the release (a copy still reading it runs first), and a later
+        :meth:`restore_storage` is ordered after that point, as the allocator hands the block back only then.
         """
         self._tick()
         record = self._device_record(tensor, "release_storage")
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if nbytes == 0 or record.retained:
+        if nbytes == 0 or record.retained or record.pending_release is not None:
             return
+        stream = self._own_stream(in_use_on) if in_use_on is not None else self._scheduler.compute
+        if not stream.is_compute:
+            self._release_after(tensor, record, nbytes, stream)
+            return
+        self._free_storage(tensor, record, nbytes)
+
+    def _release_after(self, tensor: torch.Tensor, record: StorageRecord, nbytes: int, stream: SimStream) -> None:
+        """``release_storage(tensor, in_use_on=stream)``: queued on ``stream`` behind the work that reads it."""
+        self._registry.uncount(record)
+        if self._race_checker is not None:
+            request = AccessRequest(storage_key(tensor), MemoryKind.DEVICE.value, 0, nbytes, True)
+            self._race_checker.access(stream.name, [request], "release_storage")
+        clock = self._clock
+        op = QueuedRelease(
+            lambda: self._free_storage(tensor, record, nbytes, counted=False),
+            stream,
+            stream.enqueued + 1,
+            self._race_checker.snapshot(stream.name) if self._race_checker is not None else None,
+            clock.free_at(stream.name) if clock is not None else None,
+        )
+        record.pending_release = op
+        self._scheduler.enqueue(stream, op)
+        if self._sync:
+            self._scheduler.drain(stream)
+
+    def _free_storage(self, tensor: torch.Tensor, record: StorageRecord, nbytes: int, *, counted: bool = True) -> None:
+        """Free a storage now (``counted``: its bytes still count as allocated, and the compute stream frees it)."""
         if self._race_checker is None:
             # Without checks nothing could catch a use after free anyway: keep the bytes mapped, as a real
             # device's caching allocator keeps freed blocks, so steps don't pay the host OS's page faults.
             # Freed bytes are poisoned now (a real allocator hands them to the next user), so a copy that still
             # reads them because a wait is missing yields NaN instead of a lucky match.
             record.retained = True
-            self._registry.uncount(record)
+            if counted:
+                self._registry.uncount(record)
             if self.poison:
-                poison_storage(tensor)
+                with self._untracked():
+                    poison_storage(tensor)
             return
-        self._compute_writes_storage(tensor, nbytes, "release_storage")
+        if counted:
+            self._compute_writes_storage(tensor, nbytes, "release_storage")
         with self._untracked():
-            storage.resize_(0)
-        self._registry.uncount(record)
+            tensor.untyped_storage().resize_(0)
+        if counted:
+            self._registry.uncount(record)
 
     def restore_storage(self, tensor: torch.Tensor) -> None:
         """Re-allocate a released storage (poisoned, counted, written by the compute stream)."""
@@ -292,6 +328,15 @@ class SimBackend:
                 f"{tuple(tensor.shape)}, stride {tensor.stride()}, offset {tensor.storage_offset()}"
             )
         record = self._device_record(tensor, "restore_storage")
+        pending = record.pending_release
+        if pending is not None:  # released stream-ordered: the block comes back once the stream has freed it
+            record.pending_release = None
+            self._scheduler.force(pending.stream, pending.position)
+            compute = self._scheduler.compute.name
+            if self._race_checker is not None and pending.snapshot is not None:
+                self._race_checker.wait(compute, pending.snapshot)
+            if self._clock is not None and pending.modeled_at is not None:
+                self._clock.wait(compute, pending.modeled_at)
         storage = tensor.untyped_storage()
         nbytes = tensor.numel() * tensor.element_size()
         held = storage.nbytes()

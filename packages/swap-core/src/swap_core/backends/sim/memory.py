@@ -15,8 +15,12 @@ import enum
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .streams import QueuedRelease
 
 from ...torch_compat import storage_id
 
@@ -55,6 +59,8 @@ class StorageRecord:
     counted_bytes: int = 0
     retained: bool = False
     """Released by ``release_storage`` with checks off: uncounted, but its bytes stay mapped for reuse."""
+    pending_release: QueuedRelease | None = None
+    """Released stream-ordered (``in_use_on``) and not restored since: where ``restore_storage`` is ordered after."""
     pinned_bytes: int = 0
     """Host bytes a real pinned buffer of this size would hold (rounding included); 0 for device or pageable."""
     finalizer: weakref.finalize[[int, StorageRecord], torch.Tensor] | None = field(default=None, repr=False)

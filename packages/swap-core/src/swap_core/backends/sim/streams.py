@@ -25,7 +25,7 @@ import torch
 
 from .race_checker import VectorClock
 
-__all__ = ["EventOwner", "QueuedCopy", "QueuedWait", "SimEvent", "SimStream", "StreamScheduler"]
+__all__ = ["EventOwner", "QueuedCopy", "QueuedRelease", "QueuedWait", "SimEvent", "SimStream", "StreamScheduler"]
 
 
 class QueuedCopy:
@@ -37,6 +37,36 @@ class QueuedCopy:
         self.dst = dst
         self.src = src
         self.direction = direction
+
+
+class QueuedRelease:
+    """A storage freed stream-ordered (``release_storage(..., in_use_on=stream)``): freed when the queue reaches it.
+
+    ``position``, ``snapshot`` and ``modeled_at`` mark that point, which a later ``restore_storage`` of the
+    storage is ordered after (a caching allocator hands the block back only then).
+    """
+
+    __slots__ = ("free", "modeled_at", "position", "snapshot", "stream")
+
+    def __init__(
+        self,
+        free: Callable[[], None],
+        stream: SimStream,
+        position: int,
+        snapshot: VectorClock | None,
+        modeled_at: float | None,
+    ) -> None:
+        self.free: Callable[[], None] | None = free
+        self.stream = stream
+        self.position = position
+        self.snapshot = snapshot
+        self.modeled_at = modeled_at
+
+    def run(self) -> None:
+        """Free the storage (once; the reference to it goes with it)."""
+        free, self.free = self.free, None
+        if free is not None:
+            free()
 
 
 class QueuedWait:
@@ -56,7 +86,7 @@ class SimStream:
     def __init__(self, name: str, *, is_compute: bool = False) -> None:
         self.name = name
         self.is_compute = is_compute
-        self.queue: deque[QueuedCopy | QueuedWait] = deque()
+        self.queue: deque[QueuedCopy | QueuedWait | QueuedRelease] = deque()
         self.enqueued = 0
         self.completed = 0
         self.unfinished_events: deque[SimEvent] = deque()
@@ -137,7 +167,7 @@ class StreamScheduler:
         self.copy_streams.append(stream)
         return stream
 
-    def enqueue(self, stream: SimStream, op: QueuedCopy | QueuedWait) -> None:
+    def enqueue(self, stream: SimStream, op: QueuedCopy | QueuedWait | QueuedRelease) -> None:
         stream.queue.append(op)
         stream.enqueued += 1
 
@@ -176,5 +206,7 @@ class StreamScheduler:
         try:
             if isinstance(op, QueuedCopy):
                 self._execute_copy(op)
+            elif isinstance(op, QueuedRelease):
+                op.run()
         finally:
             stream.stamp_finished_events()
