@@ -213,23 +213,16 @@ def masters_presented(optimizer: torch.optim.Optimizer, batch: UpdateBatch) -> I
             update.grad = grad
             lent.append((update, state))
     entries = optimizer.state
+    if not isinstance(entries, TrackedState):
+        raise TypeError(
+            f"masters_presented needs the state of an optimizer a SwapOptimizer wraps, got a {type(entries).__name__}"
+        )
     try:
-        with entries.lent(lent) if isinstance(entries, TrackedState) else _lent_plainly(entries, lent):
+        with entries.lent(lent):
             yield
     finally:
         for master, _ in lent:
             master.grad = None
-
-
-@contextlib.contextmanager
-def _lent_plainly(state: dict[torch.Tensor, Any], entries: Sequence[tuple[torch.Tensor, Any]]) -> Iterator[None]:
-    for key, value in entries:
-        state[key] = value
-    try:
-        yield
-    finally:
-        for key, _ in entries:
-            state.pop(key, None)
 
 
 @contextlib.contextmanager

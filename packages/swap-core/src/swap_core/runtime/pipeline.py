@@ -213,12 +213,17 @@ class PipelineScheduler:
     def _free_first_batch(self, plan: SwapPlan, copied: Event) -> None:
         """The staging memory of ``plan``'s first batch (its arenas, in packed mode), once ``copied`` passed."""
         self.backend.wait_event(self.compute, copied)
+        self._free_staging(plan, plan.batches[:1])
+
+    def _free_staging(self, plan: SwapPlan, batches: list[PlannedBatch]) -> None:
+        """``plan``'s arenas (packed mode), or the restored storages of ``batches``; the compute stream has waited."""
         if plan.arenas is not None:
             plan.arenas.release()
             return
-        for view in plan.batches[0].device_views:
-            if view.untyped_storage().nbytes() > 0:
-                self.backend.release_storage(view)
+        for batch in batches:
+            for view in batch.device_views:
+                if view.untyped_storage().nbytes() > 0:
+                    self.backend.release_storage(view)
 
     # -- between steps --------------------------------------------------------
     def _settle(self) -> None:
@@ -281,13 +286,7 @@ class PipelineScheduler:
         if self._stranded:
             return  # their staging memory still holds the only copy
         self._stranded_plan = None
-        if plan.arenas is not None:
-            plan.arenas.release()
-            return
-        for batch in plan.batches:
-            for view in batch.device_views:
-                if view.untyped_storage().nbytes() > 0:
-                    self.backend.release_storage(view)
+        self._free_staging(plan, plan.batches)  # the synchronize above ordered everything
 
 
 class _EarlyPrefetch:
