@@ -78,6 +78,7 @@ INSTALL_MATRIX = [
         ("swap-core", "swap-muon"),
         ("swap-core", "swap-generic"),
         ("swap-core", "swap-adam", "swap-ckpt"),
+        ("swap-core", "swap-bench"),
         tuple(PACKAGES),
     )
     if set(combo) <= set(PACKAGES)

@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-packages=(swap-core swap-adam swap-muon swap-generic swap-ckpt)
+packages=(swap-core swap-adam swap-muon swap-generic swap-ckpt swap-bench)
 
 if [[ "${1:-}" == "--wheels" ]]; then
     rm -rf .whl && mkdir -p .whl
@@ -64,7 +64,7 @@ record "${PIPESTATUS[0]}"
 
 echo "== swap-bench --backend $backend"
 # shellcheck disable=SC2086  # SWAP_CHECK_BENCH_ARGS is a list of words
-timeout "${SWAP_CHECK_BENCH_S:-150}" python3 -m swap_core.bench --backend "$backend" ${SWAP_CHECK_BENCH_ARGS:---repeats 7} \
+timeout "${SWAP_CHECK_BENCH_S:-150}" python3 -m swap_bench --backend "$backend" ${SWAP_CHECK_BENCH_ARGS:---repeats 7} \
     --json "$out/bench.json" 2>&1 | tee "$out/bench.txt" | tail -n 40
 record "${PIPESTATUS[0]}"
 

@@ -12,7 +12,9 @@ with the distributions that were installed. It checks that
 - an optimizer of a family that is not installed is swapped by swap-generic when that is installed
   (bitwise too), and otherwise raises ``AdapterNotFoundError`` naming the package to install
   (``pip install swap-adam``), before anything changes;
-- ``swap-bench --help`` runs (swap-bench ships in swap-core), and swap-ckpt imports only when installed.
+- swap-core requires torch only; swap-ckpt imports only when installed; the ``swap-bench`` script exists
+  only when swap-bench is installed, and then runs a quick benchmark on the simulator whose JSON report
+  holds a measured row (swap-core's RMSprop) and, without swap-adam, a skipped AdamW row naming it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -37,7 +41,8 @@ FAMILIES: dict[str, tuple[str, tuple[tuple[str, dict[str, float]], ...]]] = {
 }
 GENERIC = "swap-generic"
 """Serves every optimizer whose dedicated family is not installed."""
-OTHERS = ("swap-ckpt",)
+OTHERS = ("swap-ckpt", "swap-bench")
+BENCH = "swap-bench"
 
 
 def check(installed: list[str]) -> list[str]:
@@ -62,13 +67,38 @@ def check(installed: list[str]) -> list[str]:
         module = name.replace("-", "_")
         if (importlib.util.find_spec(module) is not None) != (name in installed):
             problems.append(f"{module} importable: {importlib.util.find_spec(module) is not None}, installed: {name}")
+    core_requires = [req for req in importlib.metadata.requires("swap-core") or [] if "extra ==" not in req]
+    if [re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0] for req in core_requires] != ["torch"]:
+        problems.append(f"swap-core requires {core_requires}, expected torch only")
     script = shutil.which("swap-bench", path=str(Path(sys.executable).parent))
-    if script is None:
-        problems.append(f"no swap-bench script beside {sys.executable}")
-        return problems
-    bench = subprocess.run([script, "--help"], capture_output=True, text=True, check=False)
-    if bench.returncode != 0:
-        problems.append(f"swap-bench --help exited {bench.returncode}: {bench.stderr.strip()[-300:]}")
+    if (script is not None) != (BENCH in installed):
+        problems.append(
+            f"swap-bench script beside {sys.executable}: {script}, swap-bench installed: {BENCH in installed}"
+        )
+    if script is not None and BENCH in installed:
+        problems += _check_bench(script, installed)
+    return problems
+
+
+def _check_bench(script: str, installed: list[str]) -> list[str]:
+    """``swap-bench --quick`` on the simulator: RMSprop measured, AdamW measured or skipped naming swap-adam."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report_path = Path(scratch) / "bench.json"
+        command = [script, "--quick", "--backend", "sim", "--workloads", "few_large"]
+        command += ["--optimizers", "rmsprop", "adamw", "--compare", "--json", str(report_path)]
+        bench = subprocess.run(command, capture_output=True, text=True, check=False)
+        if bench.returncode != 0:
+            return [f"swap-bench --quick exited {bench.returncode}: {bench.stderr.strip()[-300:]}"]
+        report = json.loads(report_path.read_text())
+    measured = {row["optimizer"] for row in report["rows"]}
+    skipped = " ".join(row["reason"] for row in report["skipped"])
+    problems = []
+    if "rmsprop" not in measured:
+        problems.append(f"swap-bench measured no RMSprop row: {report['skipped']}")
+    if ("adamw" in measured) != ("swap-adam" in installed or GENERIC in installed):
+        problems.append(f"swap-bench AdamW rows measured: {'adamw' in measured}, installed: {installed}")
+    if "adamw" not in measured and "swap-adam" not in skipped:
+        problems.append(f"swap-bench skipped AdamW without naming swap-adam: {skipped}")
     return problems
 
 

@@ -1,4 +1,4 @@
-"""``python -m swap_core.bench``."""
+"""``python -m swap_bench``."""
 
 from .cli import main
 

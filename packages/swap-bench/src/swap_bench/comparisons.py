@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..backends.protocol import DeviceBackend
+from swap_core import DeviceBackend
+
 from .measure import BaselineFactory, BaselineOptimizer
 from .workloads import ADAMW_KWARGS, Workload
 

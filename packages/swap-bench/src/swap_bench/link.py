@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..backends.protocol import DeviceBackend
+from swap_core import DeviceBackend
 
 __all__ = ["LinkBandwidth", "measure_link"]
 

@@ -15,11 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..backends.protocol import DeviceBackend
-from ..config import SwapConfig
-from ..optimizer import SwapOptimizer
-from ..testing.views import planned_batches
-from ..wrap import swap_optimizer
+from swap_core import DeviceBackend, SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.testing.views import planned_batches
+
 from .link import LinkBandwidth
 from .workloads import OPTIMIZERS, OptimizerSpec, Workload
 

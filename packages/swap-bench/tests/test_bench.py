@@ -12,12 +12,12 @@ import pytest
 import torch
 from rich.console import Console
 
+from swap_bench import main, run_bench
+from swap_bench.comparisons import Baseline, ComparisonConfig, HostMasterOffload, plan_comparisons
+from swap_bench.measure import BaselineOptimizer, measure_comparison
+from swap_bench.report import SCHEMA, render_table
+from swap_bench.workloads import ADAMW_KWARGS, QUICK_WORKLOADS
 from swap_core.backends.protocol import DeviceBackend
-from swap_core.bench import main, run_bench
-from swap_core.bench.comparisons import Baseline, ComparisonConfig, HostMasterOffload, plan_comparisons
-from swap_core.bench.measure import BaselineOptimizer, measure_comparison
-from swap_core.bench.report import SCHEMA, render_table
-from swap_core.bench.workloads import ADAMW_KWARGS, QUICK_WORKLOADS
 from swap_core.sim import SimBackend
 
 pytestmark = pytest.mark.sim_only
@@ -90,7 +90,7 @@ def test_exact_counts_mixed_dtypes(report: dict[str, Any]) -> None:
 
 _FAULTS_PER_ROUND = """
 import resource, statistics, sys, torch
-from swap_core.bench.host_allocator import keep_freed_host_memory
+from swap_bench.host_allocator import keep_freed_host_memory
 if sys.argv[1] == "on":
     assert keep_freed_host_memory() is not None
 def one_round():  # three 16 MiB temporaries at once, as an update makes them

@@ -1,4 +1,4 @@
-"""``swap-bench`` / ``python -m swap_core.bench``: swapped vs unswapped steps, measured in one run."""
+"""``swap-bench`` / ``python -m swap_bench``: swapped vs unswapped steps, measured in one run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from ..backends.protocol import DeviceBackend
-from ..config import BACKEND_NAMES
-from ..errors import AdapterNotFoundError, UnsupportedOptimizerError
+from swap_core import DeviceBackend
+from swap_core.config import BACKEND_NAMES
+from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
+
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
@@ -65,6 +66,11 @@ def run_bench(
     console: Console,
     comparisons: Sequence[ComparisonConfig] = (),
 ) -> BenchReport:
+    """Measure the link, then every row and comparison in turn (a progress bar on ``console``), into one report.
+
+    A row whose optimizer no installed adapter serves, or that swapping refuses, becomes a skipped row
+    naming the reason; so does a comparison baseline that fails.
+    """
     link_bytes = 8 * 2**20 if quick else 256 * 2**20
     link = measure_link(backend_factory(), link_bytes)
     report = BenchReport(backend_name, backend_detail, quick, threads, link, host_allocator=host_allocator)
@@ -110,6 +116,7 @@ def _run_comparison(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report."""
     parser = argparse.ArgumentParser(prog="swap-bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a smoke run for CI")
     parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
@@ -169,7 +176,7 @@ def _backend(name: str) -> tuple[str, str, Callable[[], DeviceBackend]]:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         name = accelerator.type if accelerator is not None else "sim"
     if name == "sim":
-        from ..backends.sim import SimBackend
+        from swap_core.sim import SimBackend
 
         # Sync mode without checks or poison: the simulator adds nothing per op, so timings mean host cost.
         return (
@@ -177,6 +184,6 @@ def _backend(name: str) -> tuple[str, str, Callable[[], DeviceBackend]]:
             "SimBackend(mode='sync', check_races=False, poison=False)",
             lambda: SimBackend(mode="sync", check_races=False, poison=False),
         )
-    from ..backends.accelerator import AcceleratorBackend
+    from swap_core.backends.accelerator import AcceleratorBackend
 
     return name, f"AcceleratorBackend({name!r})", lambda: AcceleratorBackend(name)
