@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from swap_core.backends.meta import MetaBackend
 from swap_core.backends.sim import (
     SIM_MODES,
     CopyStats,
@@ -20,6 +21,7 @@ __all__ = [
     "CopyStats",
     "LinkModel",
     "MemoryKind",
+    "MetaBackend",
     "ModeledTimes",
     "OnRace",
     "SimBackend",

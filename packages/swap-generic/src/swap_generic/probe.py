@@ -58,8 +58,10 @@ def _stepped(optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, *
     """The two stand-ins of group ``index`` after :data:`PROBE_STEPS` steps of a twin of ``optimizer``."""
     generator = torch.Generator().manual_seed(1234)
     shapes = [tuple(sizes[: like.dim()]) for sizes in (_SIZES, _OTHER_SIZES)]
+    # Meta tensors hold no values to compare (swap-bench's planner steps them): the stand-ins live on the CPU.
+    device = torch.device("cpu") if like.is_meta else like.device
     standins = [
-        torch.nn.Parameter(torch.randn(shape, generator=generator).to(device=like.device, dtype=torch.float32))
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(device=device, dtype=torch.float32))
         for shape in shapes
     ]
     twin = object.__new__(type(optimizer))
@@ -73,7 +75,7 @@ def _stepped(optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, *
     with step_hooks_silenced(twin), torch.no_grad():
         for _ in range(PROBE_STEPS):
             for standin in standins:
-                standin.grad = torch.randn(standin.shape, generator=generator).to(like.device)
+                standin.grad = torch.randn(standin.shape, generator=generator).to(device)
             if not apart:
                 step()
                 continue

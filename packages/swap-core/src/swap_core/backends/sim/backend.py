@@ -167,7 +167,7 @@ class SimBackend:
     # -- memory -------------------------------------------------------------
     def owns(self, tensor: torch.Tensor) -> bool:
         """Any CPU tensor that is not host memory from :meth:`empty_host` is on the simulated device."""
-        if tensor.device.type != "cpu":
+        if tensor.device != self.device:
             return False
         record = self._registry.lookup(storage_key(tensor))
         return record is None or record.kind is MemoryKind.DEVICE
@@ -180,8 +180,10 @@ class SimBackend:
         if self._race_checker is None and self._rng is None:
             return
         self._tick()
-        if tensor.device.type != "cpu":
-            raise ValueError(f"SimBackend can only adopt CPU tensors, got one on {tensor.device}")
+        if tensor.device != self.device:
+            raise ValueError(
+                f"{type(self).__name__} can only adopt tensors on {self.device}, got one on {tensor.device}"
+            )
         record = self._registry.lookup(storage_key(tensor))
         if record is None:
             self._registry.register(tensor, MemoryKind.DEVICE)
@@ -192,7 +194,7 @@ class SimBackend:
         """Poisoned device memory, written by the compute stream: a copy stream filling it must wait for that."""
         self._tick()
         with self._untracked():
-            tensor = torch.empty(tuple(shape), dtype=dtype)
+            tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
             if self.poison:
                 poison_storage(tensor)
         record = self._registry.register(tensor, MemoryKind.DEVICE)
@@ -213,7 +215,7 @@ class SimBackend:
             raise ValueError(f"Invalid host memory mode: {mode!r}; expected one of {HOST_MEMORY_MODES}")
         self._tick()
         with self._untracked():
-            tensor = torch.empty(numel, dtype=dtype)
+            tensor = torch.empty(numel, dtype=dtype, device=self.device)
             if self.poison:
                 poison_storage(tensor)
         if not self.pinned_memory:
@@ -399,7 +401,7 @@ class SimBackend:
         records = self._registry.records
         dst_record = records.get(storage_id(dst.untyped_storage()))
         src_record = records.get(storage_id(src.untyped_storage()))
-        direction = _copy_direction(dst, src, dst_record, src_record)
+        direction = _copy_direction(dst, src, dst_record, src_record, self.device)
         nbytes = dst.numel() * dst.element_size()
         fault = self._fault
         if fault is not None and fault.fires(direction):
@@ -590,8 +592,10 @@ class SimBackend:
             self._race_checker.access(COMPUTE_AGENT, [request], op)
 
     def _device_record(self, tensor: torch.Tensor, what: str) -> StorageRecord:
-        if tensor.device.type != "cpu":
-            raise ValueError(f"{what} of SimBackend needs a CPU tensor, got one on {tensor.device}")
+        if tensor.device != self.device:
+            raise ValueError(
+                f"{what} of {type(self).__name__} needs a tensor on {self.device}, got one on {tensor.device}"
+            )
         record = self._registry.lookup(storage_key(tensor))
         if record is None:
             return self._registry.register(tensor, MemoryKind.DEVICE)
@@ -660,11 +664,15 @@ class SimBackend:
 
 
 def _copy_direction(
-    dst: torch.Tensor, src: torch.Tensor, dst_record: StorageRecord | None, src_record: StorageRecord | None
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_record: StorageRecord | None,
+    src_record: StorageRecord | None,
+    device: torch.device,
 ) -> str:
     """``"h2d"``, ``"d2h"`` or ``"d2d"``; raises for copies a real device could not run asynchronously."""
-    if not (dst.is_cpu and src.is_cpu):
-        raise ValueError(f"SimBackend copies CPU tensors only, got dst on {dst.device} and src on {src.device}")
+    if not (dst.device == device and src.device == device):
+        raise ValueError(f"SimBackend copies {device} tensors only, got dst on {dst.device} and src on {src.device}")
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(
             f"SimBackend.copy needs matching shapes and dtypes, got dst {tuple(dst.shape)} {dst.dtype} "
