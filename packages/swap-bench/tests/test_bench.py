@@ -40,7 +40,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_schema(report: dict[str, Any]) -> None:
-    assert report["schema"] == SCHEMA
+    assert report["schema"] == SCHEMA == "swap-bench/2"
+    assert report["kind"] == "bench"
     assert report["backend"] == "sim" and report["quick"] is True
     # On Linux (glibc) the simulator's allocations keep freed blocks, as a device caching allocator does.
     if sys.platform.startswith("linux"):
@@ -56,6 +57,25 @@ def test_schema(report: dict[str, Any]) -> None:
             assert row["copy_floor_efficiency"] == pytest.approx(row["copy_floor_s"] / row["added_s"])
         else:
             assert row["copy_floor_efficiency"] is None
+
+
+def test_every_measured_row_is_modeled_beside_it_with_the_same_bytes(report: dict[str, Any]) -> None:
+    modeled = report["modeled_rows"]
+    assert len(modeled) == len(report["rows"]) == 8
+    for measured, model in zip(report["rows"], modeled, strict=True):
+        assert (model["name"], model["swap_times"], model["packed"]) == (
+            measured["workload"],
+            measured["swap_times"],
+            measured["packed"],
+        )
+        assert model["link"] == "pcie4"  # the default --link
+        # Meta tensors and the CPU simulator run the same pipeline: the same bytes and copies.
+        for field in ("h2d_bytes", "d2h_bytes", "host_state_bytes", "host_pinned_bytes", "batches"):
+            assert model[field] == measured[field], field
+        assert model["copies"] == measured["h2d_copies"] + measured["d2h_copies"]
+        assert model["device_peak_state_bytes"] == measured["peak_state_device_bytes_swapped"]
+        assert model["plain_state_device_bytes"] == measured["peak_state_device_bytes_unswapped"]
+        assert 0 < model["modeled_step_seconds"] <= model["modeled_transfer_seconds"]
 
 
 def _rows(report: dict[str, Any], workload: str) -> list[dict[str, Any]]:
@@ -292,3 +312,6 @@ def test_sgd_rows_through_swap_generic_or_skipped_naming_it(tmp_path: Path) -> N
         assert row["h2d_bytes"] == row["d2h_bytes"] == row["host_state_bytes"] == 64 * 4096
         assert row["h2d_copies"] == row["d2h_copies"] == (row["swap_times"] if row["packed"] else 64)
         assert row["batches"] == row["swap_times"]
+    # Modeled over meta tensors, SGD's own step creates the same momentum buffers (swap-generic's probe of the
+    # step runs on CPU stand-ins, since meta tensors hold no values to compare).
+    assert [row["h2d_bytes"] for row in document["modeled_rows"]] == [row["h2d_bytes"] for row in document["rows"]]

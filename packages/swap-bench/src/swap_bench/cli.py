@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -13,11 +14,14 @@ from rich.progress import Progress
 from swap_core import DeviceBackend
 from swap_core.config import BACKEND_NAMES
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
+from swap_core.sim import LINK_PRESETS
 
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
 from .measure import RowConfig, measure_comparison, measure_row
+from .modeled import StepModel, model_step
+from .planner import plan_main
 from .report import BenchReport, render_table
 from .workloads import OPTIMIZERS, QUICK_WORKLOADS, WORKLOADS, Workload
 
@@ -65,11 +69,13 @@ def run_bench(
     repeats: int,
     console: Console,
     comparisons: Sequence[ComparisonConfig] = (),
+    link_model: str | None = None,
 ) -> BenchReport:
     """Measure the link, then every row and comparison in turn (a progress bar on ``console``), into one report.
 
     A row whose optimizer no installed adapter serves, or that swapping refuses, becomes a skipped row
-    naming the reason; so does a comparison baseline that fails.
+    naming the reason; so does a comparison baseline that fails. With ``link_model`` (a link preset),
+    every measured row is also modeled over meta tensors on that link (:func:`~swap_bench.modeled.model_step`).
     """
     link_bytes = 8 * 2**20 if quick else 256 * 2**20
     link = measure_link(backend_factory(), link_bytes)
@@ -80,6 +86,8 @@ def run_bench(
             progress.update(task, description=row.label)
             try:
                 report.rows.append(measure_row(row, backend_factory, report.link, warmup=warmup, repeats=repeats))
+                if link_model is not None:
+                    report.modeled.append(model_step(_modeled(row, link_model)))
             except (AdapterNotFoundError, UnsupportedOptimizerError) as error:
                 report.skipped.append({"row": row.label, "reason": str(error).splitlines()[0]})
             progress.advance(task)
@@ -88,6 +96,13 @@ def run_bench(
             _run_comparison(comparison, backend_factory, report, warmup=warmup, repeats=repeats)
             progress.advance(task)
     return report
+
+
+def _modeled(row: RowConfig, link: str) -> StepModel:
+    workload = row.workload
+    return StepModel(
+        workload.name, workload.tensors, row.optimizer, link, row.swap_times, packed=row.packed, duplex=row.duplex
+    )
 
 
 def _run_comparison(
@@ -116,8 +131,16 @@ def _run_comparison(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report."""
-    parser = argparse.ArgumentParser(prog="swap-bench", description=__doc__)
+    """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report.
+
+    ``swap-bench plan ...`` runs the planner instead (:func:`~swap_bench.planner.plan_main`).
+    """
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["plan"]:
+        return plan_main(arguments[1:])
+    parser = argparse.ArgumentParser(
+        prog="swap-bench", description=__doc__, epilog="swap-bench plan --help: the planner for real model sizes"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a smoke run for CI")
     parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=sorted(OPTIMIZERS))
@@ -139,7 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="on the simulator, keep glibc's default of returning freed blocks to the kernel (see host_allocator)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--link",
+        default="pcie4",
+        choices=list(LINK_PRESETS),
+        help="the link the rows are also modeled on (virtual clock, meta tensors), beside the measured ones",
+    )
+    args = parser.parse_args(arguments)
     torch.set_num_threads(args.threads)
     backend_name, detail, factory = _backend(args.backend)
     host_allocator = "system"
@@ -163,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats if args.repeats is not None else (1 if args.quick else 9),
         console=console,
         comparisons=comparisons,
+        link_model=args.link,
     )
     report.skipped[:0] = [*left_out, *comparisons_left_out]
     render_table(report, console)

@@ -29,6 +29,7 @@ __all__ = [
     "RowResult",
     "measure_comparison",
     "measure_row",
+    "optimizer_state_bytes",
 ]
 
 
@@ -156,7 +157,7 @@ def measure_row(
         ideal_step_s=ideal_s,
         ideal_percent=100.0 * ideal_s / swapped_s,
         peak_state_device_bytes_swapped=stats.peak_state_device_bytes,
-        peak_state_device_bytes_unswapped=_state_bytes(plain),
+        peak_state_device_bytes_unswapped=optimizer_state_bytes(plain),
         host_state_bytes=stats.host_state_bytes,
         host_pinned_bytes=stats.host_pinned_bytes,
     )
@@ -320,7 +321,7 @@ def _timed(step: Callable[[], object], backend: DeviceBackend) -> float:
     return time.perf_counter() - started
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Device bytes of every non-scalar state tensor of the unswapped optimizer."""
     return sum(
         value.numel() * value.element_size()

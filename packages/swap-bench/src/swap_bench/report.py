@@ -15,11 +15,12 @@ from rich.table import Table
 
 from .link import LinkBandwidth
 from .measure import ComparisonResult, RowResult
+from .modeled import ModeledRow
 
-__all__ = ["SCHEMA", "BenchReport", "render_table"]
+__all__ = ["SCHEMA", "BenchReport", "machine_facts", "render_modeled_table", "render_table", "save_json"]
 
-SCHEMA = "swap-bench/1"
-"""Version tag of the JSON document; bumped when fields change meaning."""
+SCHEMA = "swap-bench/2"
+"""Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``)."""
 
 
 @dataclasses.dataclass
@@ -35,18 +36,14 @@ class BenchReport:
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
     comparisons: list[ComparisonResult] = dataclasses.field(default_factory=list)
     """Plain AdamW against external offloading baselines (CUDA only; see ``comparisons.py``)."""
+    modeled: list[ModeledRow] = dataclasses.field(default_factory=list)
+    """The measured rows' configurations modeled on the virtual clock over meta tensors (``--link``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
-            "machine": {
-                "platform": platform.platform(),
-                "processor": platform.processor() or platform.machine(),
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "threads": self.threads,
-                "host_allocator": self.host_allocator,
-            },
+            "kind": "bench",
+            "machine": {**machine_facts(), "threads": self.threads, "host_allocator": self.host_allocator},
             "backend": self.backend,
             "backend_detail": self.backend_detail,
             "quick": self.quick,
@@ -59,12 +56,28 @@ class BenchReport:
             "rows": [row.as_dict() for row in self.rows],
             "skipped": self.skipped,
             "comparisons": [comparison.as_dict() for comparison in self.comparisons],
+            "modeled_rows": [row.as_dict() for row in self.modeled],
         }
 
     def save(self, path: str | Path) -> Path:
-        target = Path(path)
-        target.write_text(json.dumps(self.to_json(), indent=2, allow_nan=False))
-        return target
+        return save_json(self.to_json(), path)
+
+
+def machine_facts() -> dict[str, str]:
+    """Where the report was made (for modeled rows: where they were computed, which changes nothing)."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def save_json(document: dict[str, Any], path: str | Path) -> Path:
+    """Write a report (no NaN or infinity: strict JSON) and return where."""
+    target = Path(path)
+    target.write_text(json.dumps(document, indent=2, allow_nan=False))
+    return target
 
 
 def render_table(report: BenchReport, console: Console) -> None:
@@ -96,6 +109,10 @@ def render_table(report: BenchReport, console: Console) -> None:
     console.print(table)
     if report.comparisons:
         console.print(_comparison_table(report.comparisons))
+    if report.modeled:
+        render_modeled_table(
+            report.modeled, console, title=f"the same rows modeled on the virtual clock ({report.modeled[0].link})"
+        )
     for skipped in report.skipped:
         console.print(f"[yellow]skipped[/] {skipped['row']}: {skipped['reason']}")
 
@@ -134,3 +151,34 @@ def _comparison_table(comparisons: Sequence[ComparisonResult]) -> Table:
             "non-finite" if row.max_abs_diff is None else f"{row.max_abs_diff:.2e}",
         )
     return table
+
+
+def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title: str) -> None:
+    """Modeled rows: bytes exact, seconds on the virtual clock."""
+    table = Table(title=f"{title}; seconds are modeled, not measured")
+    columns = (
+        "model", "opt", "world", "link", "k", "params/rank", "plain state GB", "device peak GB", "host GB",
+        "copies", "T_c ms", "step s", "transfer s", "bound s", "transfer/bound", "link busy",
+    )  # fmt: skip
+    for title_text in columns:
+        table.add_column(title_text, justify="left" if title_text in ("model", "opt", "link") else "right")
+    for row in rows:
+        table.add_row(
+            row.name + (" +masters" if row.master_weights else ""),
+            row.optimizer,
+            str(row.world),
+            row.link,
+            str(row.swap_times) + ("" if row.packed else " per-tensor") + ("" if row.duplex else " 1-stream"),
+            f"{row.params / 1e9:.3f}B" if row.params >= 10**8 else f"{row.params:,}",
+            f"{row.plain_state_device_bytes / 1e9:.2f}",
+            f"{row.device_peak_state_bytes / 1e9:.2f}",
+            f"{row.host_state_bytes / 1e9:.2f}",
+            str(row.copies),
+            f"{row.update_seconds * 1e3:.2f}",
+            f"{row.modeled_step_seconds:.4g}",
+            f"{row.modeled_transfer_seconds:.4g}",
+            f"{row.bound_seconds:.4g}",
+            f"{row.modeled_transfer_seconds / row.bound_seconds:.3f}" if row.bound_seconds > 0 else "-",
+            f"{100 * row.link_utilization:.0f}%",
+        )
+    console.print(table)

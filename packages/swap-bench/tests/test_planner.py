@@ -1,0 +1,144 @@
+"""swap-bench plan: exact bytes of a real model's shard against hand computations; modeled seconds checked
+against the bounds they must respect (deterministic virtual-clock times, never wall-clock)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swap_bench.cli import main
+from swap_bench.models import MODELS, ModelShape, fsdp_shard_shape
+from swap_bench.planner import plan_model
+from swap_bench.report import SCHEMA
+from swap_core.sim import LinkModel
+
+pytestmark = pytest.mark.sim_only
+
+PCIE4 = LinkModel.preset("pcie4")
+
+
+def _llama_70b_rank0_numel(world: int) -> int:
+    """Llama 2 70B by hand: 8192 wide, 80 layers, MLP 28672, 8 key/value heads of 128, vocab 32000, untied."""
+
+    def rows(n: int) -> int:
+        return -(-n // world)
+
+    layer = (
+        rows(8192) * 8192  # q_proj
+        + 2 * rows(1024) * 8192  # k_proj, v_proj
+        + rows(8192) * 8192  # o_proj
+        + 2 * rows(28672) * 8192  # gate_proj, up_proj
+        + rows(8192) * 28672  # down_proj
+        + 2 * rows(8192)  # the two RMSNorms
+    )
+    return 2 * rows(32000) * 8192 + 80 * layer + rows(8192)
+
+
+def test_model_presets_have_their_published_sizes() -> None:
+    assert MODELS["llama-1b"].numel == 1_235_814_400
+    assert MODELS["llama-7b"].numel == 6_738_415_616
+    assert MODELS["llama-13b"].numel == 13_015_864_320
+    assert MODELS["llama-70b"].numel == 68_976_648_192
+    assert MODELS["llama-70b"].numel == _llama_70b_rank0_numel(world=1)
+
+
+def test_fsdp_shards_split_dim_0_as_torch_chunk_does() -> None:
+    assert [fsdp_shard_shape((32000, 8), 3, rank) for rank in range(3)] == [(10667, 8), (10667, 8), (10666, 8)]
+    assert [fsdp_shard_shape((5,), 4, rank) for rank in range(4)] == [(2,), (2,), (1,), (0,)]
+    assert fsdp_shard_shape((7, 3, 2), 1, 0) == (7, 3, 2)
+    with pytest.raises(ValueError, match="rank 4 of world 4"):
+        fsdp_shard_shape((5,), 4, 4)
+
+
+def test_llama_70b_at_world_8_with_master_weights_holds_the_hand_computed_bytes() -> None:
+    row = plan_model(MODELS["llama-70b"], "adamw", world=8, link="pcie4", swap_times=4, master_weights=True)
+    params = _llama_70b_rank0_numel(world=8)
+    assert row.params == params == 8_622_081_024
+    # fp32 master + exp_avg + exp_avg_sq per bf16 parameter; every shard's bytes are a multiple of the
+    # 64-byte slot alignment, so nothing is padded.
+    assert row.host_state_bytes == row.host_pinned_bytes == 12 * params
+    assert row.plain_state_device_bytes == 12 * params  # unswapped: masters and moments on the device
+    assert row.h2d_bytes == row.d2h_bytes == 12 * params
+    assert row.batches == 4 and row.copies == 2 * 4  # one packed copy per batch and direction (one dtype)
+    # Two staging arenas of at most the largest batch, which holds at least a quarter of the bytes.
+    largest_state = 12 * -(-32000 // 8) * 8192  # the embedding (and head) shard's master and moments
+    assert 2 * 12 * params // 4 <= row.device_peak_state_bytes <= 2 * (12 * params // 4 + largest_state)
+    # The link cannot move the bytes faster than its bandwidth; the pipeline stays near its bound.
+    one_way = 12 * params / (PCIE4.h2d_gbps * 1e9)
+    assert one_way < row.modeled_transfer_seconds <= 1.06 * row.bound_seconds
+    assert row.modeled_step_seconds < row.modeled_transfer_seconds  # the last copy-out runs into the next forward
+    assert row.link_utilization == pytest.approx(one_way / row.modeled_transfer_seconds)
+    assert row.update_seconds > 0
+
+
+def test_plain_fp32_adamw_without_masters_and_determinism() -> None:
+    first = plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie5", swap_times=8)
+    params = sum(
+        fsdp_shard_shape(shape, 8, 0)[0] * (shape[1] if len(shape) > 1 else 1)
+        for _, shape in MODELS["llama-7b"].parameter_shapes()
+    )
+    assert first.params == params
+    assert first.plain_state_device_bytes == 8 * params  # two fp32 moments
+    # The 65 RMSNorm shards (512 elements) have fewer than SwapConfig.min_numel (1024): resident.
+    resident = (2 * 32 + 1) * 4096 // 8
+    assert first.host_state_bytes == first.h2d_bytes == 8 * (params - resident)
+    assert first.copies == 16
+    assert plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie5", swap_times=8) == first
+
+
+def test_planner_refuses_what_it_does_not_model() -> None:
+    with pytest.raises(ValueError, match=r"Muon in one process only \(--world 1\)"):
+        plan_model(MODELS["llama-7b"], "muon", world=8, link="pcie4", swap_times=4)
+    with pytest.raises(ValueError, match=r"Unknown link preset 'pcie9'"):
+        plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie9", swap_times=4)
+    with pytest.raises(ValueError, match=r"Unknown planner optimizer 'lbfgs'"):
+        plan_model(MODELS["llama-7b"], "lbfgs", world=8, link="pcie4", swap_times=4)
+
+
+def test_a_hugging_face_config_json_is_a_model(tmp_path: Path) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "llama-2-7b" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    model = ModelShape.from_config_json(path)
+    assert model.name == "llama-2-7b" and model.numel == MODELS["llama-7b"].numel
+    del config["intermediate_size"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="needs intermediate_size"):
+        ModelShape.from_config_json(path)
+    with pytest.raises(ValueError, match=r"num_key_value_heads must be in \[1, num_attention_heads=32\], got 64"):
+        ModelShape("bad", 4096, 11008, 2, 32, 64, 32000)
+
+
+def test_plan_command_writes_the_versioned_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama-1b", "--world", "8", "--link", "pcie4", "ascend-910b", "--swap-times", "2", "4"]
+    assert main([*argv, "--master-weights", "--json", str(path)]) == 0
+    document: dict[str, Any] = json.loads(path.read_text())
+    assert document["schema"] == SCHEMA and document["kind"] == "plan"
+    assert document["models"]["llama-1b"]["numel"] == MODELS["llama-1b"].numel
+    rows = document["modeled_rows"]
+    assert [(row["link"], row["swap_times"]) for row in rows] == [
+        ("pcie4", 2),
+        ("pcie4", 4),
+        ("ascend-910b", 2),
+        ("ascend-910b", 4),
+    ]
+    assert len({row["host_state_bytes"] for row in rows}) == 1  # bytes do not depend on the link or k
+    output = capsys.readouterr().out
+    assert "seconds are modeled, not measured" in output and "llama-1b +masters" in output
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt-9"])
+    assert "neither a preset" in capsys.readouterr().err
