@@ -25,7 +25,8 @@ pytestmark = pytest.mark.sim_only
 ROW_FIELDS = {
     "workload", "optimizer", "swap_times", "packed", "duplex", "params", "plain_step_s", "swapped_step_s", "ratio",
     "swapped_state_bytes", "h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "batches", "achieved_gbps",
-    "added_s", "copy_floor_s", "copy_floor_efficiency", "copies_alone_s", "ideal_step_s", "ideal_percent",
+    "added_s", "copy_floor_s", "copy_floor_efficiency", "copies_alone_s", "overhead_per_batch_s", "ideal_step_s",
+    "ideal_percent",
     "peak_state_device_bytes_swapped", "peak_state_device_bytes_unswapped", "host_state_bytes", "host_pinned_bytes",
 }  # fmt: skip
 
@@ -53,6 +54,7 @@ def test_schema(report: dict[str, Any]) -> None:
         assert set(row) == ROW_FIELDS
         assert row["plain_step_s"] > 0 and row["swapped_step_s"] > 0 and row["copies_alone_s"] > 0
         # The efficiency is the copy floor over the paired added time (None when swapping added nothing).
+        assert row["overhead_per_batch_s"] == pytest.approx((row["added_s"] - row["copies_alone_s"]) / row["batches"])
         if row["added_s"] > 0:
             assert row["copy_floor_efficiency"] == pytest.approx(row["copy_floor_s"] / row["added_s"])
         else:

@@ -74,6 +74,9 @@ class RowResult:
     """Copy floor over ``added_s``; ``None`` when swapping added nothing (copies hidden, or noise)."""
     copies_alone_s: float
     """Median time of the step's own copies without the optimizer (same sizes and order), timed between steps."""
+    overhead_per_batch_s: float
+    """``(added_s - copies_alone_s) / batches``: what swapping adds per batch beyond its copies (host work of the
+    runtime and the adapter, e.g. swap-generic's narrowed step); negative within noise."""
     ideal_step_s: float
     ideal_percent: float
     peak_state_device_bytes_swapped: int
@@ -154,6 +157,7 @@ def measure_row(
         copy_floor_s=floor_s,
         copy_floor_efficiency=floor_s / added_s if added_s > 0 else None,
         copies_alone_s=copies_alone_s,
+        overhead_per_batch_s=(added_s - copies_alone_s) / max(stats.batches, 1),
         ideal_step_s=ideal_s,
         ideal_percent=100.0 * ideal_s / swapped_s,
         peak_state_device_bytes_swapped=stats.peak_state_device_bytes,

@@ -101,6 +101,7 @@ def render_table(report: BenchReport, console: Console) -> None:
         "copies",
         "GB/s",
         "ideal %",
+        "µs/batch",
         "peak MB swapped/plain",
     ):
         table.add_column(title, justify="right" if title not in ("workload", "opt", "layout") else "left")
@@ -132,6 +133,7 @@ def _cells(row: RowResult) -> Sequence[str]:
         f"{row.h2d_copies}+{row.d2h_copies}",
         f"{row.achieved_gbps:.2f}",
         f"{row.ideal_percent:.0f}",
+        f"{row.overhead_per_batch_s * 1e6:.1f}",
         f"{row.peak_state_device_bytes_swapped / 2**20:.1f}/{row.peak_state_device_bytes_unswapped / 2**20:.1f}",
     )
 
