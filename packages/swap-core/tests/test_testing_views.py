@@ -7,10 +7,10 @@ import torch
 
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.sim import SimBackend
-from swap_core.testing.views import planned_batches, simulator_of
+from swap_core.testing.views import planned_batches, planned_resident_params, simulator_of
 
 SHAPES = [(32, 40), (40,), (24, 24), (8,), (30, 30)]
-"""(40,) and (8,) are under min_numel=64: their states stay resident (updated in a batch, copied by none)."""
+"""(40,) and (8,) are under min_numel=64: their states stay resident (updated first, in no batch, copied by none)."""
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -33,7 +33,10 @@ def test_planned_batches_are_the_copies_the_simulator_counts(packed: bool) -> No
     _step(params, optimizer)  # creates the states
     batches = planned_batches(optimizer)
 
-    assert [id(param) for batch in batches for param in batch.params] == [id(param) for param in params]
+    resident = planned_resident_params(optimizer)
+    assert [id(param) for param in resident] == [id(params[1]), id(params[3])]
+    swapped_in_order = [id(param) for param in params if param.numel() >= 64]
+    assert [id(param) for batch in batches for param in batch.params] == swapped_in_order
     assert len(batches) == 2
     for batch in batches:
         swapped = [param for param in batch.params if param.numel() >= 64]
@@ -64,5 +67,7 @@ def test_an_optimizer_over_cpu_parameters_has_no_plan_and_no_simulator() -> None
 def test_views_refuse_what_they_cannot_read() -> None:
     with pytest.raises(TypeError, match="takes a SwapOptimizer, got RMSprop"):
         planned_batches(torch.optim.RMSprop(_params(), lr=1e-2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"planned_resident_params\(\) takes a SwapOptimizer"):
+        planned_resident_params(torch.optim.RMSprop(_params(), lr=1e-2))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="runs on object"):
         simulator_of(object())  # type: ignore[arg-type]

@@ -334,8 +334,11 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _update_batch(self, batch: PlannedBatch) -> None:
         fresh: list[torch.Tensor] = []
         with self._device_states_in_place(batch):
-            for group_index, segment_params, segment_states, start in batch.segments:
-                segment_grads = self._step_grads[start : start + len(segment_params)]
+            for group_index, segment_params, segment_states, where in batch.segments:
+                grads_in_order = self._step_grads
+                segment_grads = (
+                    grads_in_order[where] if isinstance(where, slice) else [grads_in_order[i] for i in where]
+                )
                 if self._every_param_ready:
                     params, states = segment_params, cast("list[dict[str, Any]]", segment_states)
                     grads = cast("list[torch.Tensor]", segment_grads)
@@ -482,6 +485,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             # Before any batch updates anything: a state the update cannot use fails now, not part-way.
             self._check_states(params, SwapStateError)
             costs = self.adapter.partition_costs([param for _, param in params])
+            rank_independent = costs is not None
             if costs is None and self.adapter.lazy_states:
                 costs = self._costs_with_fresh_states([param for _, param in params])
             self._plan = build_plan(
@@ -492,6 +496,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 max_batch_bytes=self.config.max_batch_bytes,
                 costs=costs,
                 state=self.state,
+                resident_first=not rank_independent,
             )
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)

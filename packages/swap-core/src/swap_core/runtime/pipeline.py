@@ -3,8 +3,11 @@
 ::
 
     h2d      [b0][b1]     [b2]      ...
-    compute      [upd b0] [upd b1]  [upd b2]
-    d2h                   [b0]      [b1]     [b2]
+    compute  [res][upd b0] [upd b1]  [upd b2]
+    d2h                    [b0]      [b1]     [b2]
+
+``res``: the plan's resident parameters (no swapped state) update first, while batch 0 comes in; after batch 0's
+update, while batch 1 comes in, when :meth:`PipelineScheduler.prefetch` brought batch 0 before the step.
 
 Every cross-stream dependency is an explicit event; the scheduler never blocks
 the host during a step. After a step the last offload may still be running:
@@ -92,6 +95,8 @@ class PipelineScheduler:
         batches = plan.batches
         prefetched: list[Event] = []
         offloaded: list[Event] = []
+        # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
+        resident_at = 1 if early is not None and len(batches) > 1 else 0
         with self._recover_on_error(plan):
             if early is not None:  # batch 0 was copied in by prefetch()
                 stats.h2d_copies += early.copies
@@ -105,6 +110,8 @@ class PipelineScheduler:
                         # Batch i + 1 takes the memory batch i - 1 used: its offload must be done with it.
                         self._reclaim(batches[index - 1], offloaded[index - 1], packed=packed)
                     prefetched.append(self._prefetch(batches[index + 1], stats, packed=packed))
+                if index == resident_at and plan.resident is not None:
+                    self._update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
                 self._update(batch, prefetched[index], update)
                 offloaded.append(self._offload(batch, stats))
             self._last_offload = offloaded[-1]
@@ -164,6 +171,13 @@ class PipelineScheduler:
         with _profiler_range("swap::update"), self.backend.compute_scope():
             update(batch)
         self._span(batch, "update", started, self.compute, 0)
+
+    def _update_resident(self, resident: PlannedBatch, update: UpdateFn) -> None:
+        """The parameters without swapped states: nothing to wait for, so they go first on the compute stream."""
+        started = self._mark(self.compute)
+        with _profiler_range("swap::update"), self.backend.compute_scope():
+            update(resident)
+        self._span(resident, "update", started, self.compute, 0)
 
     def _offload(self, batch: PlannedBatch, stats: SwapStats) -> Event:
         with _profiler_range("swap::offload"):

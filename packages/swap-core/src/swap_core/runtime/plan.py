@@ -1,10 +1,15 @@
-"""The batches one step walks, derived from the slots and cached until they change."""
+"""The batches one step walks, derived from the slots and cached until they change.
+
+A plan walks its swapped batches in ``batches`` order (parameter order, or its reverse: the order in which a
+backward finalizes the gradients). Parameters whose states all stay on the device (no swapped slot) form the
+plan's ``resident`` batch, updated first, while batch 0 is still being copied in.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +23,13 @@ from .partition import partition_consecutive
 from .slots import SwapSlot
 from .store import StateStore
 
-__all__ = ["PlannedBatch", "SwapPlan", "build_plan"]
+__all__ = ["RESIDENT_BATCH_INDEX", "GradientPositions", "PlannedBatch", "SwapPlan", "build_plan"]
+
+GradientPositions = slice | list[int]
+"""Where a segment's gradients lie among all gradients in parameter order: a slice, or (with gaps) the positions."""
+
+RESIDENT_BATCH_INDEX = -1
+"""``index`` of a plan's resident batch (and ``UpdateBatch.batch_index`` of its update), which runs before batch 0."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -35,11 +46,11 @@ class PlannedBatch:
     """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Each slot's local device tensor during the update (a staging-arena view when packed)."""
-    segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None], int]] = dataclasses.field(
+    segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None], GradientPositions]] = dataclasses.field(
         default_factory=list
     )
     """``params`` split by param group, bound once per plan: ``(group index, params, optimizer.state[p] of each,
-    index of the first one among all parameters in order)`` (``None`` for a parameter without state yet)."""
+    their positions among all parameters in order)`` (``None`` for a parameter without state yet)."""
     slot_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
     update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -53,12 +64,15 @@ class PlannedBatch:
 @dataclasses.dataclass(eq=False)
 class SwapPlan:
     batches: list[PlannedBatch]
+    """The swapped batches in the order a step walks them (``batches[i].index == i``)."""
     arenas: StagingArenas | None
     version: int
     param_count: int = 0
-    """Parameters the batches cover, every one once."""
+    """Parameters the batches (the resident one included) cover, every one once."""
     all_states_exist: bool = False
     """Whether every parameter had its state when the plan was bound (a step may then skip per-parameter checks)."""
+    resident: PlannedBatch | None = None
+    """Parameters without a swapped state, updated before batch 0 (while its copy-in runs); no slots, no copies."""
 
     @property
     def peak_staging_bytes(self) -> int:
@@ -78,11 +92,19 @@ def build_plan(
     max_batch_bytes: int | None,
     costs: Sequence[int] | None,
     state: Mapping[torch.Tensor, dict[str, Any]],
+    resident_first: bool = False,
+    reverse: bool = False,
 ) -> SwapPlan:
     """Partition ``params`` into batches, lay out their staging views (packed mode) and bind them to ``state``.
 
     ``state`` is the optimizer's state mapping: each batch keeps the state dict of each of its parameters
     (``None`` for one without state yet), so that a step looks nothing up by tensor.
+
+    ``resident_first``: parameters whose existing states all stay on the device go to the plan's ``resident``
+    batch instead (only when something is swapped). Not with an adapter's rank-independent costs: every rank
+    must then walk the same batches, and residency is decided per rank. ``reverse``: the batches are walked
+    from the last parameters to the first (the order in which a backward finalizes their gradients); the
+    split is the same.
     """
     slots_of = [list(store.slots.get(param, {}).values()) for _, param in params]
     nbytes = [sum(slot.nbytes for slot in slots) for slots in slots_of]
@@ -92,17 +114,16 @@ def build_plan(
             num_batches = 1  # nothing moves: one batch, no copies
     elif len(costs) != len(params):
         raise ValueError(f"Adapter returned {len(costs)} partition costs for {len(params)} parameters")
+    resident: set[int] = set()
+    if resident_first and sum(nbytes) > 0:
+        resident = {i for i, (_, param) in enumerate(params) if not slots_of[i] and not _is_fresh(state.get(param))}
+    swapped = [i for i in range(len(params)) if i not in resident]
     # Adapter costs are rank-independent: every rank must walk the same batches even when it swaps nothing.
-    ranges = partition_consecutive(costs, num_batches=num_batches, max_batch_cost=max_batch_bytes)
-    batches = [
-        PlannedBatch(
-            index=index,
-            params=list(params[span.start : span.stop]),
-            slots=[slot for slots in slots_of[span.start : span.stop] for slot in slots],
-            nbytes=sum(nbytes[span.start : span.stop]),
-        )
-        for index, span in enumerate(ranges)
-    ]
+    ranges = partition_consecutive([costs[i] for i in swapped], num_batches=num_batches, max_batch_cost=max_batch_bytes)
+    spans = [swapped[span.start : span.stop] for span in ranges]
+    if reverse:
+        spans.reverse()
+    batches = [_batch(index, positions, params, slots_of, nbytes) for index, positions in enumerate(spans)]
     arenas = None
     if store.packed_host is not None and sum(nbytes) > 0:
         arenas = _stage(store.packed_host, backend, batches)
@@ -115,14 +136,34 @@ def build_plan(
     for batch in batches:
         pairs = zip(batch.slots, batch.device_views, strict=True)
         batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]
-    assert sum(len(batch.params) for batch in batches) == len(params), "the batches cover every parameter once"
-    all_states_exist = _bind_states(batches, state)
+    resident_batch = _batch(RESIDENT_BATCH_INDEX, sorted(resident), params, slots_of, nbytes) if resident else None
+    walked = [*([resident_batch] if resident_batch is not None else []), *batches]
+    positions = [*([sorted(resident)] if resident else []), *spans]
+    assert sum(map(len, positions)) == len(params), "the batches cover every parameter once"
+    all_states_exist = _bind_states(walked, positions, state)
     return SwapPlan(
         batches=batches,
         arenas=arenas,
         version=store.version,
         param_count=len(params),
         all_states_exist=all_states_exist,
+        resident=resident_batch,
+    )
+
+
+def _batch(
+    index: int,
+    positions: list[int],
+    params: Sequence[tuple[int, torch.Tensor]],
+    slots_of: list[list[SwapSlot]],
+    nbytes: list[int],
+) -> PlannedBatch:
+    """The batch of the parameters at ``positions`` (ascending) among all parameters in order."""
+    return PlannedBatch(
+        index=index,
+        params=[params[i] for i in positions],
+        slots=[slot for i in positions for slot in slots_of[i]],
+        nbytes=sum(nbytes[i] for i in positions),
     )
 
 
@@ -130,21 +171,43 @@ def _is_fresh(state: dict[str, Any] | None) -> bool:
     return state is None or is_fresh(state)
 
 
-def _bind_states(batches: list[PlannedBatch], state: Mapping[torch.Tensor, dict[str, Any]]) -> bool:
-    """Fill each batch's ``segments`` and ``slot_states``; returns whether every parameter has a state."""
-    start = 0  # batches are consecutive runs of the parameters in order
+def _bind_states(
+    batches: list[PlannedBatch], positions: list[list[int]], state: Mapping[torch.Tensor, dict[str, Any]]
+) -> bool:
+    """Fill each batch's ``segments`` and ``slot_states``; returns whether every parameter has a state.
+
+    ``positions[i]`` are the indices of ``batches[i]``'s parameters among all parameters in order.
+    """
     every_state = True
-    for batch in batches:
+    for batch, batch_positions in zip(batches, positions, strict=True):
         batch.segments = []
-        for group_index, grouped in itertools.groupby(batch.params, key=lambda entry: entry[0]):
-            members = [param for _, param in grouped]
+        for group_index, members, where in _runs(batch.params, batch_positions):
             # .get: binding must not create entries (torch keeps no state for never-updated params).
             states = [state.get(param) for param in members]
             every_state = every_state and not any(map(_is_fresh, states))
-            batch.segments.append((group_index, members, states, start))
-            start += len(members)
+            batch.segments.append((group_index, members, states, where))
         batch.slot_states = [state[slot.param] for slot in batch.slots]
     return every_state
+
+
+def _runs(
+    params: list[tuple[int, torch.Tensor]], positions: list[int]
+) -> Iterator[tuple[int, list[torch.Tensor], GradientPositions]]:
+    """``(group index, parameters, their positions)`` of each run of one param group.
+
+    A run's positions among all parameters are a slice, unless resident parameters taken out of the
+    batch leave gaps: then a list (a step gathers those gradients one by one, still one update call).
+    """
+    run_start = 0
+    for end in range(1, len(params) + 1):
+        if end < len(params) and params[end][0] == params[end - 1][0]:
+            continue
+        run = positions[run_start:end]
+        where: GradientPositions = run
+        if run[-1] - run[0] == len(run) - 1:
+            where = slice(run[0], run[-1] + 1)
+        yield params[run_start][0], [param for _, param in params[run_start:end]], where
+        run_start = end
 
 
 def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatch]) -> StagingArenas:

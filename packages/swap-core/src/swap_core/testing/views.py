@@ -22,8 +22,9 @@ import torch
 from ..backends.protocol import DeviceBackend
 from ..backends.sim import SimBackend
 from ..optimizer import SwapOptimizer
+from ..runtime.plan import SwapPlan
 
-__all__ = ["BatchView", "PlannedState", "planned_batches", "simulator_of"]
+__all__ = ["BatchView", "PlannedState", "planned_batches", "planned_resident_params", "simulator_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,8 @@ class BatchView:
     """One pipeline batch: the parameters it updates together and the copies that bring their states."""
 
     params: tuple[torch.Tensor, ...]
-    """In param-group order; a batch's parameters are consecutive in that order."""
+    """In param-group order; consecutive in that order among the parameters with a swapped state (those without
+    one update first, in no batch: :func:`planned_resident_params`)."""
     states: tuple[PlannedState, ...]
     copy_bytes: tuple[int, ...]
     """Bytes of each host-to-device copy of the batch (one per dtype packed, one per state otherwise);
@@ -54,16 +56,10 @@ def planned_batches(optimizer: SwapOptimizer) -> tuple[BatchView, ...]:
 
     Planning checks the states as a step does, so a state the update cannot use raises the
     step's :class:`~swap_core.errors.SwapStateError` here too. An optimizer over CPU
-    parameters swaps nothing and has no batches: that raises ``ValueError``.
+    parameters swaps nothing and has no batches: that raises ``ValueError``. The batches come in the
+    order the step walks them (the last parameters first with ``SwapConfig(prefetch="backward")``).
     """
-    if not isinstance(optimizer, SwapOptimizer):
-        raise TypeError(f"planned_batches() takes a SwapOptimizer, got {type(optimizer).__name__}")
-    if optimizer.backend is None:
-        raise ValueError(
-            "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto'), so it plans no "
-            "batches; give its parameters an accelerator or pass SwapConfig(backend=...)"
-        )
-    plan = optimizer._current_plan()  # swap-core's own view of its plan: the one reader of it outside the optimizer
+    plan = _plan_of(optimizer, "planned_batches")
     return tuple(
         BatchView(
             params=tuple(param for _, param in batch.params),
@@ -72,6 +68,27 @@ def planned_batches(optimizer: SwapOptimizer) -> tuple[BatchView, ...]:
         )
         for batch in plan.batches
     )
+
+
+def planned_resident_params(optimizer: SwapOptimizer) -> tuple[torch.Tensor, ...]:
+    """The parameters ``optimizer.step()`` updates first, before batch 0 (no state of theirs is swapped).
+
+    Planned as :func:`planned_batches` plans (and raising as it does); empty when nothing is swapped at all
+    (then the one batch holds every parameter) or when the adapter batches by rank-independent costs.
+    """
+    plan = _plan_of(optimizer, "planned_resident_params")
+    return tuple(param for _, param in plan.resident.params) if plan.resident is not None else ()
+
+
+def _plan_of(optimizer: SwapOptimizer, caller: str) -> SwapPlan:
+    if not isinstance(optimizer, SwapOptimizer):
+        raise TypeError(f"{caller}() takes a SwapOptimizer, got {type(optimizer).__name__}")
+    if optimizer.backend is None:
+        raise ValueError(
+            "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto'), so it plans no "
+            "batches; give its parameters an accelerator or pass SwapConfig(backend=...)"
+        )
+    return optimizer._current_plan()  # swap-core's own view of its plan: the one reader of it outside the optimizer
 
 
 def simulator_of(target: SwapOptimizer | DeviceBackend | None) -> SimBackend:
