@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Literal, get_args
 
 from .backends.accelerator import SUPPORTED_DEVICE_TYPES
 from .backends.host_memory import HOST_MEMORY_MODES, HostMemoryMode
 from .backends.protocol import DeviceBackend
 
-__all__ = ["BACKEND_NAMES", "BackendSpec", "SwapConfig"]
+__all__ = ["BACKEND_NAMES", "PREFETCH_MODES", "BackendSpec", "PrefetchMode", "SwapConfig"]
 
 BACKEND_NAMES = ("auto", "sim", *SUPPORTED_DEVICE_TYPES)
+
+PrefetchMode = Literal["off", "backward"]
+PREFETCH_MODES: tuple[PrefetchMode, ...] = get_args(PrefetchMode)
 
 BackendSpec = str | DeviceBackend
 
@@ -70,6 +74,11 @@ class SwapConfig:
     swapped with the other states; the update runs on the masters with fp32 gradients and fp32 states, and
     each parameter is then set from its master. fp32 parameters are unaffected (see docs/master-weights.md)."""
 
+    prefetch: PrefetchMode = "off"
+    """``"backward"``: the first batch's copy-in starts during the backward, as soon as every gradient of that batch
+    is final (``opt.prefetch()`` from post-accumulate-grad hooks), and batches are walked in the order a backward
+    finalizes gradients (the last parameters first); ``"off"``: only an explicit ``opt.prefetch()`` starts it."""
+
     host_memory: HostMemoryMode = "exact"
     """``"exact"``: host buffers pinned at their size, to the page (CUDA registers them with the driver; elsewhere
     the caching path, with a warning); ``"caching"``: torch's pinned allocator, which rounds up to a power of two."""
@@ -87,6 +96,8 @@ class SwapConfig:
         _require_bool("trace", self.trace)
         _require_bool("master_weights", self.master_weights)
         _validate_backend(self.backend)
+        if self.prefetch not in PREFETCH_MODES:
+            raise ValueError(f"Invalid SwapConfig.prefetch: {self.prefetch!r}; expected one of {PREFETCH_MODES}")
         if self.host_memory not in HOST_MEMORY_MODES:
             raise ValueError(
                 f"Invalid SwapConfig.host_memory: {self.host_memory!r}; expected one of {HOST_MEMORY_MODES}"

@@ -29,6 +29,7 @@ from .backends.cpu import CpuBackend
 from .backends.protocol import DeviceBackend
 from .backends.sim import SimBackend
 from .backends.sim.timing import ModeledTimes
+from .backward_prefetch import BackwardPrefetch
 from .config import SwapConfig
 from .errors import SwapStateError, UnsupportedOptimizerError
 from .master_weights import (
@@ -181,6 +182,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             optimizer.state = original_state
             _remove_swap_hooks(optimizer)
             raise
+        self._backward_prefetch: BackwardPrefetch | None = None
+        if config.prefetch == "backward" and self._scheduler is not None:
+            self._backward_prefetch = BackwardPrefetch(self, self.prefetch)
+            self._arm_backward_prefetch(after_step=False)  # states loaded or deep-copied: the first backward prefetches
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _share_hooks(self) -> None:
@@ -270,13 +275,21 @@ class SwapOptimizer(torch.optim.Optimizer):
                 plan = self._current_plan()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
                 self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
+                # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
+                entries_before = set(map(id, self.state)) if self._reverse_creates_states(plan) else None
                 with self.adapter.step_scope():
                     if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
                         self._scheduler.run(
                             plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace
                         )
+                if entries_before is not None:
+                    self._tracked.move_to_end(
+                        param for param in ordered if id(param) not in entries_before and param in self.state
+                    )
                 if self.adapter.lazy_states:
                     self._pack_fresh_states(ordered)
+                if self._backward_prefetch is not None:
+                    self._arm_backward_prefetch(after_step=True)
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
             self.trace = trace
@@ -300,21 +313,47 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         The next ``step()`` then begins with that batch already on its way, so the copy overlaps what
         runs before it. Idempotent: a second call before the step does nothing. Nothing happens with
-        CPU parameters, or while states are still to be created (before the first step). If the state
-        or the param groups change before the step (a load, an edit), the step drops the prefetch and
-        runs as without it; ``synchronize()`` waits for its copy. Between ``prefetch()`` and ``step()``
-        change states only through the optimizer (``load_state_dict``, assigning or deleting entries):
-        a host tensor written in place after its copy started would not reach that step.
+        CPU parameters, or while the first batch has no state to copy (before the first step). If the state
+        or the param groups change before the step (a load, an edit, states the step creates for parameters
+        with their first gradient), the step drops the prefetch and runs as without it; ``synchronize()``
+        waits for its copy. ``SwapConfig(prefetch="backward")`` calls it from the backward. Between
+        ``prefetch()`` and ``step()`` change states only through the optimizer (``load_state_dict``,
+        assigning or deleting entries): a host tensor written in place after its copy started would not
+        reach that step.
         """
         if self._scheduler is None or self._scheduler.prefetched:
             return
         self._follow_edits(self._ordered_params())
         plan = self._current_plan()
-        if not plan.all_states_exist:  # the step creates states, which changes the plan
+        if not plan.batches or not plan.batches[0].slots:  # nothing to copy in yet: the first step creates the states
             return
         issued_at = self._modeled_times()
         self._scheduler.prefetch(plan)
         self._prefetched_at = issued_at
+
+    @property
+    def prefetched(self) -> bool:
+        """Whether the next step's first copy-in is already issued (by :meth:`prefetch`, or from the backward with
+        ``SwapConfig(prefetch="backward")``); ``False`` again once a step ran."""
+        return self._scheduler is not None and self._scheduler.prefetched
+
+    def _reverse_creates_states(self, plan: SwapPlan) -> bool:
+        """Whether this step's update may create states (lazy states) while the batches are walked in reverse."""
+        return self.adapter.lazy_states and self.config.prefetch == "backward" and not plan.all_states_exist
+
+    def _arm_backward_prefetch(self, *, after_step: bool) -> None:
+        """``prefetch="backward"``: the next backward prefetches once the first batch's gradients are final.
+
+        Awaited are the parameters of the batch the next step walks first that had a gradient in the step
+        that just ran (``after_step``; before any step: those that require one). See
+        :mod:`swap_core.backward_prefetch` for the rules and why an early prefetch stays right.
+        """
+        assert self._backward_prefetch is not None
+        plan = self._current_plan()
+        first = [param for _, param in plan.batches[0].params] if plan.batches else []
+        self._backward_prefetch.arm(
+            param for param in first if (param.grad is not None if after_step else param.requires_grad)
+        )
 
     @contextlib.contextmanager
     def _amp_attributes_forwarded(self) -> Iterator[None]:
@@ -497,6 +536,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 costs=costs,
                 state=self.state,
                 resident_first=not rank_independent,
+                reverse=self.config.prefetch == "backward",
             )
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)

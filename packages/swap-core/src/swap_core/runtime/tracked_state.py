@@ -76,6 +76,15 @@ class TrackedState(defaultdict[torch.Tensor, dict[str, Any]]):
         super().update(*args, **kwargs)
         self.version += 1
 
+    def move_to_end(self, keys: Iterable[torch.Tensor]) -> None:
+        """Move the entries of ``keys`` to the end, in that order, without counting as a change (same entries).
+
+        ``state_dict()`` lists states in this mapping's order: entries a step created out of parameter order
+        (batches walked in reverse) are put in the order torch's own step would have created them.
+        """
+        for key in keys:
+            dict.__setitem__(self, key, dict.pop(self, key))
+
     @contextlib.contextmanager
     def lent(self, entries: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> Iterator[None]:
         """``entries`` in this mapping for the duration, without counting as a change.

@@ -65,6 +65,8 @@ OPTION_VARIANTS: tuple[dict[str, Any], ...] = (
     {"max_batch_bytes": 4096, "swap_times": 1},
     {"min_numel": 0, "swap_times": 5},
     {"state_keys": ()},
+    {"prefetch": "backward", "swap_times": 3},
+    {"prefetch": "backward", "offload_fraction": 0.5, "packed": False},
 )
 """SwapConfig variants each checked for parity under :data:`OPTION_MODES`."""
 
