@@ -62,6 +62,7 @@ class BackwardPrefetch:
         self._armed = bool(awaited)
 
     def disarm(self) -> None:
+        """Issue nothing until the next :meth:`arm`."""
         self._pending = set()
         self._armed = False
 

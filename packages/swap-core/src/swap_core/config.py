@@ -15,7 +15,10 @@ __all__ = ["BACKEND_NAMES", "PREFETCH_MODES", "BackendSpec", "PrefetchMode", "Sw
 BACKEND_NAMES = ("auto", "sim", *SUPPORTED_DEVICE_TYPES)
 
 PrefetchMode = Literal["off", "backward"]
+"""When batch 0's copy-in starts before ``step()``: on an explicit ``opt.prefetch()`` only, or from the backward."""
+
 PREFETCH_MODES: tuple[PrefetchMode, ...] = get_args(PrefetchMode)
+"""The valid values of ``SwapConfig.prefetch``."""
 
 BackendSpec = str | DeviceBackend
 
