@@ -93,6 +93,10 @@ class FakeDeviceModule:
         self.calls.append(("max_memory_allocated", device))
         return 4096
 
+    def memory_reserved(self, device: torch.device) -> int:
+        self.calls.append(("memory_reserved", device))
+        return 8192
+
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         self.calls.append(("reset_peak_memory_stats", device))
 
@@ -336,12 +340,14 @@ def test_sync_and_memory_stats_name_this_device(
     fake_backend.synchronize()
     assert fake_backend.memory_allocated() == 1024
     assert fake_backend.max_memory_allocated() == 4096
+    assert fake_backend.memory_reserved() == 8192
     fake_backend.reset_peak_memory_stats()
     device = torch.device("cuda", 1)
     assert fake_module.calls == [
         ("synchronize", device),
         ("memory_allocated", device),
         ("max_memory_allocated", device),
+        ("memory_reserved", device),
         ("reset_peak_memory_stats", device),
     ]
 

@@ -161,7 +161,9 @@ def test_a_collected_host_buffer_does_not_classify_its_address_successor() -> No
 
 
 def test_a_new_allocation_at_a_reused_address_starts_without_history() -> None:
-    sim = SimBackend(mode="sync")
+    # Without the caching allocator: CPU memory reused by torch is an unrelated block. (With it, the same
+    # program reuses the freed block itself, a premature reuse: test_sim_caching_allocator.py.)
+    sim = SimBackend(mode="sync", caching_allocator=False)
     compute, d2h = sim.compute_stream(), sim.new_stream()
     host = sim.empty_host(4, torch.float32)
     staging = sim.empty((4,), torch.float32)

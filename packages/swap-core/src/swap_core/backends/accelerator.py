@@ -76,6 +76,8 @@ class _DeviceModule(Protocol):
 
     def max_memory_allocated(self, device: torch.device) -> int: ...
 
+    def memory_reserved(self, device: torch.device) -> int: ...
+
     def reset_peak_memory_stats(self, device: torch.device) -> None: ...
 
 
@@ -225,6 +227,10 @@ class AcceleratorBackend:
     def max_memory_allocated(self) -> int:
         """Peak of :meth:`memory_allocated` since the last reset."""
         return self._module.max_memory_allocated(self._device)
+
+    def memory_reserved(self) -> int:
+        """Bytes torch's caching allocator holds on this device, cached free blocks included."""
+        return self._module.memory_reserved(self._device)
 
     def reset_peak_memory_stats(self) -> None:
         """Restart peak tracking from the current allocation."""

@@ -115,6 +115,10 @@ class DeviceBackend(Protocol):
         """Peak device bytes since the last :meth:`reset_peak_memory_stats`."""
         ...
 
+    def memory_reserved(self) -> int:
+        """Device bytes the caching allocator holds: allocated plus freed blocks kept for reuse."""
+        ...
+
     def reset_peak_memory_stats(self) -> None:
         """Restart peak tracking from the current allocation."""
         ...

@@ -31,6 +31,7 @@ from swap_core.backends.tensor_layout import spans_whole_storage
 from swap_core.errors import SimPageableCopyError, SimUseAfterFreeError
 from swap_core.torch_compat import storage_id
 
+from .caching_allocator import CachedBlock, CachingAllocator
 from .checks import ComputeCheckMode, ComputeOpChecker
 from .copy_stats import CopyStats
 from .faults import CopyFault, is_count
@@ -96,6 +97,10 @@ class SimBackend:
             the link, compute ops inside :meth:`compute_scope` bytes over device bandwidth,
             events carry times; read them with :meth:`modeled_times`. Deterministic: the same
             in every mode and on every machine. ``None``: no virtual clock.
+        caching_allocator: keep freed device blocks and reuse them, stream-ordered, as a real
+            device's allocator does (:mod:`~swap_core.backends.sim.caching_allocator`);
+            ``False``: every free gives the bytes back at once and :meth:`memory_reserved` equals
+            :meth:`memory_allocated`.
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class SimBackend:
         exact_pinning: bool = True,
         host_bytes: int | None = None,
         timing: LinkModel | None = None,
+        caching_allocator: bool = True,
     ) -> None:
         if mode not in SIM_MODES:
             raise ValueError(f"Invalid simulator mode: {mode!r}; expected one of {SIM_MODES}")
@@ -133,7 +139,14 @@ class SimBackend:
         self._race_checker = RaceChecker(on_race) if check_races else None
         self.races: list[str] = self._race_checker.races if self._race_checker is not None else []
         """Every race found so far (with ``on_race="raise"``, the ones raised)."""
-        self._registry = MemoryRegistry(self._forget_history)
+        self._allocator = (
+            CachingAllocator(self._race_checker.copy_history if self._race_checker is not None else None)
+            if caching_allocator
+            else None
+        )
+        self._registry = MemoryRegistry(
+            self._forget_history, self._storage_collected if self._allocator is not None else None
+        )
         self._scheduler = StreamScheduler(self._execute_copy)
         self._sync = mode == "sync"
         self._rng = random.Random(seed) if mode == "random" else None
@@ -199,8 +212,13 @@ class SimBackend:
                 poison_storage(tensor)
         record = self._registry.register(tensor, MemoryKind.DEVICE)
         nbytes = tensor.untyped_storage().nbytes()
+        block = self._take_block(nbytes, record, storage_key(tensor))
         self._registry.count(record, nbytes)
-        self._compute_writes_storage(tensor, nbytes, "empty (allocation)")
+        self._note_reserved()
+        if block is None:
+            self._compute_writes_storage(tensor, nbytes, "empty (allocation)")
+        else:
+            self._compute_writes_storage(tensor, nbytes, "empty (reuses a cached block)")
         return tensor
 
     def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
@@ -288,41 +306,77 @@ class SimBackend:
             request = AccessRequest(storage_key(tensor), MemoryKind.DEVICE.value, 0, nbytes, True)
             self._race_checker.access(stream.name, [request], "release_storage")
         clock = self._clock
+        cached: list[CachedBlock] = []
         op = QueuedRelease(
-            lambda: self._free_storage(tensor, record, nbytes, counted=False),
+            lambda: self._unmap(tensor, record, cached[0] if cached else None),
             stream,
             stream.enqueued + 1,
             self._race_checker.snapshot(stream.name) if self._race_checker is not None else None,
             clock.free_at(stream.name) if clock is not None else None,
         )
+        if self._allocator is not None:
+            cached.append(self._allocator.free(storage_key(tensor), nbytes, release=op))
         record.pending_release = op
         self._scheduler.enqueue(stream, op)
         if self._sync:
             self._scheduler.drain(stream)
 
-    def _free_storage(self, tensor: torch.Tensor, record: StorageRecord, nbytes: int, *, counted: bool = True) -> None:
-        """Free a storage now (``counted``: its bytes still count as allocated, and the compute stream frees it)."""
-        if self._race_checker is None:
-            # Without checks nothing could catch a use after free anyway: keep the bytes mapped, as a real
-            # device's caching allocator keeps freed blocks, so steps don't pay the host OS's page faults.
-            # Freed bytes are poisoned now (a real allocator hands them to the next user), so a copy that still
-            # reads them because a wait is missing yields NaN instead of a lucky match.
+    def _free_storage(self, tensor: torch.Tensor, record: StorageRecord, nbytes: int) -> None:
+        """Free a storage on the compute stream now: uncounted, its block cached (see :meth:`_unmap`)."""
+        self._compute_writes_storage(tensor, nbytes, "release_storage")
+        self._registry.uncount(record)
+        block = self._allocator.free(storage_key(tensor), nbytes) if self._allocator is not None else None
+        self._unmap(tensor, record, block)
+
+    def _unmap(self, tensor: torch.Tensor, record: StorageRecord, block: CachedBlock | None) -> None:
+        """Give the storage's bytes up: shrunk with checks on (a late access is caught), else kept mapped as its
+        cached ``block`` so that restoring the storage takes them back without page faults.
+
+        Kept bytes are poisoned now (a real allocator hands them to the next user), so a copy that still reads
+        them because a wait is missing yields NaN instead of a lucky match.
+        """
+        if block is not None and block.in_cache and self._race_checker is None:
             record.retained = True
-            if counted:
-                self._registry.uncount(record)
+            block.retained, block.storage = record, tensor.untyped_storage()
             if self.poison:
                 with self._untracked():
                     poison_storage(tensor)
             return
-        if counted:
-            self._compute_writes_storage(tensor, nbytes, "release_storage")
         with self._untracked():
             tensor.untyped_storage().resize_(0)
-        if counted:
-            self._registry.uncount(record)
+
+    def _take_block(self, nbytes: int, record: StorageRecord, key: int) -> CachedBlock | None:
+        """A cached block for a new allocation of ``record``'s storage, ordered after the block's last free;
+        its history passes to the new user. ``None``: new memory is reserved."""
+        if self._allocator is None:
+            return None
+        block = self._allocator.take(nbytes, key)
+        if block is None:
+            return None
+        if block.release is not None:
+            self._order_after(block.release)
+        owner = block.retained
+        if owner is not None and owner is not record:  # another storage still maps the bytes: unmap them there
+            assert block.storage is not None
+            owner.retained = False
+            with self._untracked():
+                block.storage.resize_(0)
+        block.retained, block.storage = None, None
+        self._allocator.inherit_history(block, key)
+        return block
+
+    def _order_after(self, release: QueuedRelease) -> None:
+        """The compute stream's next work is ordered after a stream-ordered release (its queue runs up to it)."""
+        self._scheduler.force(release.stream, release.position)
+        compute = self._scheduler.compute.name
+        if self._race_checker is not None and release.snapshot is not None:
+            self._race_checker.wait(compute, release.snapshot)
+        if self._clock is not None and release.modeled_at is not None:
+            self._clock.wait(compute, release.modeled_at)
 
     def restore_storage(self, tensor: torch.Tensor) -> None:
-        """Re-allocate a released storage (poisoned, counted, written by the compute stream)."""
+        """Re-allocate a released storage (poisoned, counted, written by the compute stream): its own cached block
+        when the cache still holds it, else another cached block of its size, else new memory."""
         self._tick()
         if not spans_whole_storage(tensor):
             raise ValueError(
@@ -330,35 +384,39 @@ class SimBackend:
                 f"{tuple(tensor.shape)}, stride {tensor.stride()}, offset {tensor.storage_offset()}"
             )
         record = self._device_record(tensor, "restore_storage")
-        pending = record.pending_release
-        if pending is not None:  # released stream-ordered: the block comes back once the stream has freed it
-            record.pending_release = None
-            self._scheduler.force(pending.stream, pending.position)
-            compute = self._scheduler.compute.name
-            if self._race_checker is not None and pending.snapshot is not None:
-                self._race_checker.wait(compute, pending.snapshot)
-            if self._clock is not None and pending.modeled_at is not None:
-                self._clock.wait(compute, pending.modeled_at)
         storage = tensor.untyped_storage()
         nbytes = tensor.numel() * tensor.element_size()
         held = storage.nbytes()
-        if record.retained:  # poisoned when it was released
+        pending = record.pending_release
+        if pending is None and not record.retained:
+            if held == nbytes:
+                return
+            if held != 0:
+                raise ValueError(
+                    f"restore_storage expects a storage released by release_storage; this one holds {held} bytes "
+                    f"and the tensor needs {nbytes}"
+                )
+        record.pending_release = None
+        key = storage_key(tensor)
+        block = self._take_block(nbytes, record, key)
+        if block is None and pending is not None:  # no cache: the bytes come back once the stream freed them
+            self._order_after(pending)
+        if record.retained:  # the cache gave the storage its own block back, still mapped
             record.retained = False
-            self._registry.count(record, nbytes)
-            return
-        if held == nbytes:
-            return
-        if held != 0:
-            raise ValueError(
-                f"restore_storage expects a storage released by release_storage; this one holds {held} bytes "
-                f"and the tensor needs {nbytes}"
-            )
-        self._compute_writes_storage(tensor, nbytes, "restore_storage")
-        with self._untracked():
-            storage.resize_(nbytes)
             if self.poison:
-                poison_storage(tensor)
+                with self._untracked():
+                    poison_storage(tensor)
+        else:
+            reused = block is not None and block.history_key != key
+            self._compute_writes_storage(
+                tensor, nbytes, "restore_storage (reuses a cached block)" if reused else "restore_storage"
+            )
+            with self._untracked():
+                storage.resize_(nbytes)
+                if self.poison:
+                    poison_storage(tensor)
         self._registry.count(record, nbytes)
+        self._note_reserved()
 
     def memory_allocated(self) -> int:
         """Device bytes from :meth:`empty` and :meth:`restore_storage` still alive."""
@@ -368,9 +426,35 @@ class SimBackend:
         """Peak of :meth:`memory_allocated` since construction or :meth:`reset_peak_memory_stats`."""
         return self._registry.peak_bytes
 
+    def memory_reserved(self) -> int:
+        """Device bytes held: allocated plus cached by the caching allocator (freed blocks kept for reuse)."""
+        cached = self._allocator.cached_bytes if self._allocator is not None else 0
+        return self._registry.allocated_bytes + cached
+
+    def max_memory_reserved(self) -> int:
+        """Peak of :meth:`memory_reserved` since construction or :meth:`reset_peak_memory_stats`."""
+        if self._allocator is None:
+            return self._registry.peak_bytes
+        return self._allocator.peak_reserved_bytes
+
+    def empty_cache(self) -> None:
+        """Give every cached block back (``torch.cuda.empty_cache``): :meth:`memory_reserved` drops to what is
+        allocated. Blocks whose stream-ordered free is still queued go too: they are never handed out again."""
+        self._tick()
+        if self._allocator is None:
+            return
+        for block in self._allocator.drop_all():
+            owner = block.retained
+            if owner is not None and block.storage is not None:
+                owner.retained = False
+                with self._untracked():
+                    block.storage.resize_(0)
+
     def reset_peak_memory_stats(self) -> None:
-        """Start the device and the pinned-host peaks afresh from what is allocated now."""
+        """Start the device (allocated and reserved) and the pinned-host peaks afresh from what is held now."""
         self._registry.reset_peak()
+        if self._allocator is not None:
+            self._allocator.reset_peak(self._registry.allocated_bytes)
 
     # -- streams and events --------------------------------------------------
     def compute_stream(self) -> Stream:
@@ -602,6 +686,15 @@ class SimBackend:
         if record.kind in HOST_KINDS:
             raise ValueError(f"{what} manages device memory, but this tensor is host memory from empty_host()")
         return record
+
+    def _note_reserved(self) -> None:
+        if self._allocator is not None:
+            self._allocator.note_reserved(self._registry.allocated_bytes)
+
+    def _storage_collected(self, key: int, record: StorageRecord) -> None:
+        """A device tensor was garbage collected: its block (if it still held one) goes to the cache."""
+        assert self._allocator is not None
+        self._allocator.storage_collected(key, record.counted_bytes)
 
     def _forget_history(self, key: int) -> None:
         if self._race_checker is not None:

@@ -58,7 +58,7 @@ class StorageRecord:
     kind: MemoryKind
     counted_bytes: int = 0
     retained: bool = False
-    """Released by ``release_storage`` with checks off: uncounted, but its bytes stay mapped for reuse."""
+    """Released with checks off: uncounted, its bytes still mapped as a cached block (see ``caching_allocator``)."""
     pending_release: QueuedRelease | None = None
     """Released stream-ordered (``in_use_on``) and not restored since: where ``restore_storage`` is ordered after."""
     pinned_bytes: int = 0
@@ -115,10 +115,14 @@ class MemoryRegistry:
     like model weights allocated before a peak-memory reset.
     """
 
-    def __init__(self, on_forget: Callable[[int], None]) -> None:
+    def __init__(
+        self, on_forget: Callable[[int], None], on_collect: Callable[[int, StorageRecord], None] | None = None
+    ) -> None:
         self.records: dict[int, StorageRecord] = {}
         """Registered storages by :func:`storage_key`; read directly on hot paths, changed only through methods."""
         self._on_forget = on_forget
+        self._on_collect = on_collect
+        """Told about a device storage whose tensor was collected, before its bytes are uncounted."""
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self.pinned_bytes = 0
@@ -170,6 +174,8 @@ class MemoryRegistry:
         """Finalizer of the registering tensor: its storage is gone, or is about to be untracked."""
         if self.records.get(key) is record:
             del self.records[key]
+            if self._on_collect is not None and record.kind is MemoryKind.DEVICE:
+                self._on_collect(key, record)
             self.uncount(record)
             self.pinned_bytes -= record.pinned_bytes
             self._on_forget(key)

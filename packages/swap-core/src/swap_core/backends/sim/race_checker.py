@@ -104,6 +104,13 @@ class RaceChecker:
         """A storage was (re)registered or collected: its old accesses say nothing about the new memory."""
         self._history.pop(key, None)
 
+    def copy_history(self, source: int, target: int) -> None:
+        """``target`` (a storage or a cached block) also carries ``source``'s accesses: a block handed to a new
+        user keeps what its earlier users did to it, so an unordered reuse is a race."""
+        earlier = self._history.get(source)
+        if earlier:
+            self._history.setdefault(target, []).extend(earlier)
+
     # -- accesses -------------------------------------------------------------
     def access(self, agent: str, requests: Iterable[AccessRequest], op: str) -> None:
         """Issue one operation of ``agent`` touching ``requests``; report it if it races with history."""

@@ -1,0 +1,142 @@
+"""The simulator's caching allocator: freed device blocks are kept and reused, as CUDA's and the NPU's are.
+
+The contract (what :class:`~swap_core.backends.sim.SimBackend` promises and the tests hold it to):
+
+* **Blocks.** Every device allocation (``empty``, ``restore_storage``) is a block of exactly its bytes,
+  whatever its dtype. Freeing it (``release_storage``, or the garbage collection of a tensor from
+  ``empty``) keeps the block in the cache; a later allocation of the same byte count takes a cached block
+  before new memory is reserved. ``memory_allocated()`` counts the blocks in use, exactly as before;
+  ``memory_reserved()`` counts those plus the cached ones, and ``empty_cache()`` drops the cached ones.
+  (A real allocator rounds to 512 bytes and carves small blocks out of 2 MiB segments: its reserved figure
+  is at least the simulator's.)
+* **Stream ordering (record_stream).** A block freed on the compute stream can be reused by the next
+  allocation at once: both are issued in the compute stream's order. A block freed with
+  ``release_storage(t, in_use_on=stream)`` is in use by the work already issued to ``stream``; it is handed
+  out again only *after* that work: the allocation that reuses it is ordered after the stream's release
+  (the queue is run up to it, the compute stream joins its race-checker clock, and with a virtual clock
+  the compute stream waits for its time). CUDA's allocator records an event on each stream of
+  ``record_stream`` and reuses the block once those events have completed; the simulator orders the reuse
+  after the release instead of skipping the block, so the same blocks are reused in every mode and the
+  figures do not depend on the schedule.
+* **Premature reuse.** A block freed on the compute stream while another stream may still touch it (a
+  missing wait, or a missing ``in_use_on``) is a bug: the reuse is an allocation write of the whole block,
+  checked by the race checker against the block's history (every access its earlier users issued), so the
+  unordered pair is reported, naming the reuse.
+* **Poison.** A reused block is poisoned again when it is handed out, as fresh memory is (with ``poison``).
+* **Physical memory.** Blocks are bookkeeping over CPU memory: with race checks on, freed storage is
+  really shrunk (so a late access is caught) and a reused block gets new CPU memory. With checks off, a
+  block freed by ``release_storage`` keeps its bytes mapped in its storage, and restoring that same storage
+  takes them back, so steps do not page-fault their staging in again.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .memory import StorageRecord
+from .streams import QueuedRelease
+
+__all__ = ["CachedBlock", "CachingAllocator"]
+
+
+@dataclass(eq=False, slots=True)
+class CachedBlock:
+    """A freed block in the cache."""
+
+    nbytes: int
+    block_id: int
+    """Where the race checker keeps the block's history once its storage is gone (negative: never an address)."""
+    history_key: int
+    """The race-checker key holding the history of the block's earlier users: its storage, or ``block_id``."""
+    release: QueuedRelease | None = None
+    """The stream-ordered free (``in_use_on``) a reuse must be ordered after; ``None`` for a compute-stream free."""
+    retained: StorageRecord | None = None
+    """The record whose storage still maps the block's bytes (checks off), or ``None`` when they are unmapped."""
+    storage: torch.UntypedStorage | None = field(default=None, repr=False)
+    """That storage, so that handing the block to another allocation can unmap it."""
+    in_cache: bool = True
+    """Still cached: not taken by an allocation nor dropped by ``empty_cache``."""
+
+
+class CachingAllocator:
+    """Free blocks by exact byte count, and the reserved-byte accounting of the simulator."""
+
+    def __init__(self, copy_history: Callable[[int, int], None] | None) -> None:
+        self._free: dict[int, deque[CachedBlock]] = {}
+        self._by_storage: dict[int, CachedBlock] = {}
+        """Cached blocks whose storage (by key) is still alive: a restore of it takes its own block back."""
+        self._copy_history = copy_history
+        self._ids = itertools.count(1)
+        self.cached_bytes = 0
+        """Bytes of the blocks in the cache (freed, stream-ordered frees still pending included)."""
+        self.peak_reserved_bytes = 0
+
+    def free(self, storage_key: int, nbytes: int, *, release: QueuedRelease | None = None) -> CachedBlock:
+        """A live storage's block goes back to the cache (``release``: behind that stream's work)."""
+        block = CachedBlock(nbytes, -next(self._ids), storage_key, release)
+        self._free.setdefault(nbytes, deque()).append(block)
+        self._by_storage[storage_key] = block
+        self.cached_bytes += nbytes
+        return block
+
+    def storage_collected(self, storage_key: int, counted_bytes: int) -> None:
+        """A storage was garbage collected: its history moves to its block; a live allocation's block is freed."""
+        block = self._by_storage.pop(storage_key, None)
+        if block is not None:
+            self._detach(block)
+        if counted_bytes > 0:
+            block = CachedBlock(counted_bytes, -next(self._ids), storage_key)
+            self._free.setdefault(counted_bytes, deque()).append(block)
+            self.cached_bytes += counted_bytes
+            self._detach(block)
+
+    def take(self, nbytes: int, storage_key: int | None = None) -> CachedBlock | None:
+        """A cached block of ``nbytes`` for a new allocation: the storage's own block first, else the oldest
+        block no live storage maps, else the oldest; ``None`` when the cache has none (new memory is reserved)."""
+        blocks = self._free.get(nbytes)
+        if not blocks:
+            return None
+        block = self._by_storage.get(storage_key) if storage_key is not None else None
+        if block is None:
+            block = next((candidate for candidate in blocks if candidate.retained is None), blocks[0])
+        blocks.remove(block)
+        block.in_cache = False
+        if self._by_storage.get(block.history_key) is block:
+            del self._by_storage[block.history_key]
+        self.cached_bytes -= nbytes
+        return block
+
+    def inherit_history(self, block: CachedBlock, storage_key: int) -> None:
+        """The new user's storage starts with the block's history, so a premature reuse is a race."""
+        if self._copy_history is not None and block.history_key != storage_key:
+            self._copy_history(block.history_key, storage_key)
+
+    def drop_all(self) -> list[CachedBlock]:
+        """Empty the cache (``empty_cache``); returns the dropped blocks, whose bytes the caller unmaps."""
+        dropped = [block for blocks in self._free.values() for block in blocks]
+        for block in dropped:
+            block.in_cache = False
+        self._free.clear()
+        self._by_storage.clear()
+        self.cached_bytes = 0
+        return dropped
+
+    def note_reserved(self, allocated_bytes: int) -> None:
+        """Track the peak of reserved bytes after an allocation."""
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, allocated_bytes + self.cached_bytes)
+
+    def reset_peak(self, allocated_bytes: int) -> None:
+        self.peak_reserved_bytes = allocated_bytes + self.cached_bytes
+
+    def _detach(self, block: CachedBlock) -> None:
+        """The block's storage is gone: keep its history under the block's own id, and its bytes are unmapped."""
+        if self._copy_history is not None:
+            self._copy_history(block.history_key, block.block_id)
+        block.history_key = block.block_id
+        block.retained = None
+        block.storage = None
