@@ -32,7 +32,6 @@ The contract (what :class:`~swap_core.backends.sim.SimBackend` promises and the 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,12 +63,19 @@ class CachedBlock:
 
 
 class CachingAllocator:
-    """Free blocks by exact byte count, and the reserved-byte accounting of the simulator."""
+    """Free blocks by exact byte count, and the reserved-byte accounting of the simulator.
+
+    Every operation is O(1) in the number of cached blocks (a step of a per-tensor swap frees and takes
+    thousands of blocks of one size).
+    """
 
     def __init__(self, copy_history: Callable[[int, int], None] | None) -> None:
-        self._free: dict[int, deque[CachedBlock]] = {}
+        self._unbound: dict[int, dict[int, CachedBlock]] = {}
+        """Cached blocks whose storage is gone, by size, oldest first: what a new allocation takes first."""
+        self._bound: dict[int, dict[int, CachedBlock]] = {}
+        """Cached blocks whose storage (a released tensor's) is alive, by size, oldest first."""
         self._by_storage: dict[int, CachedBlock] = {}
-        """Cached blocks whose storage (by key) is still alive: a restore of it takes its own block back."""
+        """The bound blocks by storage key: a restore of that storage takes its own block back."""
         self._copy_history = copy_history
         self._ids = itertools.count(1)
         self.cached_bytes = 0
@@ -79,7 +85,7 @@ class CachingAllocator:
     def free(self, storage_key: int, nbytes: int, *, release: QueuedRelease | None = None) -> CachedBlock:
         """A live storage's block goes back to the cache (``release``: behind that stream's work)."""
         block = CachedBlock(nbytes, -next(self._ids), storage_key, release)
-        self._free.setdefault(nbytes, deque()).append(block)
+        self._bound.setdefault(nbytes, {})[block.block_id] = block
         self._by_storage[storage_key] = block
         self.cached_bytes += nbytes
         return block
@@ -88,26 +94,25 @@ class CachingAllocator:
         """A storage was garbage collected: its history moves to its block; a live allocation's block is freed."""
         block = self._by_storage.pop(storage_key, None)
         if block is not None:
-            self._detach(block)
+            del self._bound[block.nbytes][block.block_id]
+            self._unbind(block)
         if counted_bytes > 0:
-            block = CachedBlock(counted_bytes, -next(self._ids), storage_key)
-            self._free.setdefault(counted_bytes, deque()).append(block)
             self.cached_bytes += counted_bytes
-            self._detach(block)
+            self._unbind(CachedBlock(counted_bytes, -next(self._ids), storage_key))
 
     def take(self, nbytes: int, storage_key: int | None = None) -> CachedBlock | None:
         """A cached block of ``nbytes`` for a new allocation: the storage's own block first, else the oldest
         block no live storage maps, else the oldest; ``None`` when the cache has none (new memory is reserved)."""
-        blocks = self._free.get(nbytes)
-        if not blocks:
-            return None
         block = self._by_storage.get(storage_key) if storage_key is not None else None
-        if block is None:
-            block = next((candidate for candidate in blocks if candidate.retained is None), blocks[0])
-        blocks.remove(block)
-        block.in_cache = False
+        if block is None or block.nbytes != nbytes:
+            block = _oldest(self._unbound.get(nbytes)) or _oldest(self._bound.get(nbytes))
+            if block is None:
+                return None
         if self._by_storage.get(block.history_key) is block:
             del self._by_storage[block.history_key]
+        for pool in (self._bound, self._unbound):
+            pool.get(nbytes, {}).pop(block.block_id, None)
+        block.in_cache = False
         self.cached_bytes -= nbytes
         return block
 
@@ -118,10 +123,13 @@ class CachingAllocator:
 
     def drop_all(self) -> list[CachedBlock]:
         """Empty the cache (``empty_cache``); returns the dropped blocks, whose bytes the caller unmaps."""
-        dropped = [block for blocks in self._free.values() for block in blocks]
+        dropped = [
+            block for pool in (self._unbound, self._bound) for blocks in pool.values() for block in blocks.values()
+        ]
         for block in dropped:
             block.in_cache = False
-        self._free.clear()
+        self._unbound.clear()
+        self._bound.clear()
         self._by_storage.clear()
         self.cached_bytes = 0
         return dropped
@@ -133,10 +141,15 @@ class CachingAllocator:
     def reset_peak(self, allocated_bytes: int) -> None:
         self.peak_reserved_bytes = allocated_bytes + self.cached_bytes
 
-    def _detach(self, block: CachedBlock) -> None:
-        """The block's storage is gone: keep its history under the block's own id, and its bytes are unmapped."""
+    def _unbind(self, block: CachedBlock) -> None:
+        """The block's storage is gone: its history stays under the block's own id, its bytes are unmapped."""
         if self._copy_history is not None:
             self._copy_history(block.history_key, block.block_id)
         block.history_key = block.block_id
         block.retained = None
         block.storage = None
+        self._unbound.setdefault(block.nbytes, {})[block.block_id] = block
+
+
+def _oldest(blocks: dict[int, CachedBlock] | None) -> CachedBlock | None:
+    return next(iter(blocks.values()), None) if blocks else None
