@@ -224,3 +224,19 @@ def test_reuse_by_another_tensor_unmaps_the_released_storage_without_checks() ->
 def test_memory_reserved_is_part_of_the_device_backend_protocol() -> None:
     backend: DeviceBackend = SimBackend()
     assert backend.memory_reserved() == 0
+
+
+def test_a_restore_never_takes_another_released_storages_block() -> None:
+    """Else each restore would unmap the next one's bytes, every step (a cascade of page faults without checks)."""
+    sim = SimBackend(check_races=False)
+    first = sim.empty((64,), torch.float32)
+    sim.release_storage(first)
+    second = sim.empty((64,), torch.float32)  # a new allocation takes the cached block, unmapping it from `first`
+    sim.release_storage(second)
+    mapped_at = second.untyped_storage().data_ptr()
+    sim.restore_storage(first)  # its own block is gone; `second`'s stays with `second`
+    assert second.untyped_storage().nbytes() == 256, "the restore unmapped another released storage"
+    assert (sim.memory_allocated(), sim.memory_reserved()) == (256, 512)
+    sim.restore_storage(second)
+    assert second.untyped_storage().data_ptr() == mapped_at, "the restore took its own block back, still mapped"
+    assert (sim.memory_allocated(), sim.memory_reserved()) == (512, 512)

@@ -212,7 +212,7 @@ class SimBackend:
                 poison_storage(tensor)
         record = self._registry.register(tensor, MemoryKind.DEVICE)
         nbytes = tensor.untyped_storage().nbytes()
-        block = self._take_block(nbytes, record, storage_key(tensor))
+        block = self._take_block(nbytes, record, storage_key(tensor), restoring=False)
         self._registry.count(record, nbytes)
         self._note_reserved()
         if block is None:
@@ -345,12 +345,12 @@ class SimBackend:
         with self._untracked():
             tensor.untyped_storage().resize_(0)
 
-    def _take_block(self, nbytes: int, record: StorageRecord, key: int) -> CachedBlock | None:
+    def _take_block(self, nbytes: int, record: StorageRecord, key: int, *, restoring: bool) -> CachedBlock | None:
         """A cached block for a new allocation of ``record``'s storage, ordered after the block's last free;
         its history passes to the new user. ``None``: new memory is reserved."""
         if self._allocator is None:
             return None
-        block = self._allocator.take(nbytes, key)
+        block = self._allocator.take(nbytes, key, restoring=restoring)
         if block is None:
             return None
         if block.release is not None:
@@ -376,7 +376,7 @@ class SimBackend:
 
     def restore_storage(self, tensor: torch.Tensor) -> None:
         """Re-allocate a released storage (poisoned, counted, written by the compute stream): its own cached block
-        when the cache still holds it, else another cached block of its size, else new memory."""
+        when the cache still holds it, else a cached block of its size whose storage is gone, else new memory."""
         self._tick()
         if not spans_whole_storage(tensor):
             raise ValueError(
@@ -398,7 +398,7 @@ class SimBackend:
                 )
         record.pending_release = None
         key = storage_key(tensor)
-        block = self._take_block(nbytes, record, key)
+        block = self._take_block(nbytes, record, key, restoring=True)
         if block is None and pending is not None:  # no cache: the bytes come back once the stream freed them
             self._order_after(pending)
         if record.retained:  # the cache gave the storage its own block back, still mapped

@@ -5,8 +5,10 @@ The contract (what :class:`~swap_core.backends.sim.SimBackend` promises and the 
 * **Blocks.** Every device allocation (``empty``, ``restore_storage``) is a block of exactly its bytes,
   whatever its dtype. Freeing it (``release_storage``, or the garbage collection of a tensor from
   ``empty``) keeps the block in the cache; a later allocation of the same byte count takes a cached block
-  before new memory is reserved. ``memory_allocated()`` counts the blocks in use, exactly as before;
-  ``memory_reserved()`` counts those plus the cached ones, and ``empty_cache()`` drops the cached ones.
+  before new memory is reserved (a ``restore_storage`` takes its storage's own block back, or a block
+  whose storage is gone, never another released storage's). ``memory_allocated()`` counts the blocks in
+  use, exactly as before; ``memory_reserved()`` counts those plus the cached ones, and ``empty_cache()``
+  drops the cached ones.
   (A real allocator rounds to 512 bytes and carves small blocks out of 2 MiB segments: its reserved figure
   is at least the simulator's.)
 * **Stream ordering (record_stream).** A block freed on the compute stream can be reused by the next
@@ -100,12 +102,20 @@ class CachingAllocator:
             self.cached_bytes += counted_bytes
             self._unbind(CachedBlock(counted_bytes, -next(self._ids), storage_key))
 
-    def take(self, nbytes: int, storage_key: int | None = None) -> CachedBlock | None:
-        """A cached block of ``nbytes`` for a new allocation: the storage's own block first, else the oldest
-        block no live storage maps, else the oldest; ``None`` when the cache has none (new memory is reserved)."""
-        block = self._by_storage.get(storage_key) if storage_key is not None else None
+    def take(self, nbytes: int, storage_key: int, *, restoring: bool) -> CachedBlock | None:
+        """A cached block of ``nbytes`` for an allocation into the storage ``storage_key``, or ``None`` (new memory
+        is reserved): the storage's own block first, else the oldest block whose storage is gone, else (not when
+        ``restoring``) the oldest block of a released storage that is still alive.
+
+        A restore does not take another released storage's block: that one would then take a third's on its
+        own restore, and so on every step. Swap's flows restore the storages they released, so they always
+        find their own blocks.
+        """
+        block = self._by_storage.get(storage_key)
         if block is None or block.nbytes != nbytes:
-            block = _oldest(self._unbound.get(nbytes)) or _oldest(self._bound.get(nbytes))
+            block = _oldest(self._unbound.get(nbytes))
+            if block is None and not restoring:
+                block = _oldest(self._bound.get(nbytes))
             if block is None:
                 return None
         if self._by_storage.get(block.history_key) is block:
