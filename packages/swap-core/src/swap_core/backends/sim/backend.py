@@ -285,7 +285,11 @@ class SimBackend:
         ``in_use_on`` (a copy stream): freed stream-ordered instead, as a caching allocator frees a block
         with ``record_stream``. The bytes leave :meth:`memory_allocated` now; the storage is freed when
         the stream's queue reaches the release (a copy still reading it runs first), and a later
-        :meth:`restore_storage` is ordered after that point, as the allocator hands the block back only then.
+        allocation that reuses the block (:meth:`restore_storage`, :meth:`empty`) is ordered after that
+        point, as the allocator hands the block back only then.
+
+        Either way the block stays in the :mod:`~swap_core.backends.sim.caching_allocator` (counted by
+        :meth:`memory_reserved`) unless ``caching_allocator=False``.
         """
         self._tick()
         record = self._device_record(tensor, "release_storage")
