@@ -456,11 +456,11 @@ def plot_timeline(trace: StepTrace, step: int, clock: str, path: Path) -> None:
         axes.broken_barh([(start, width)], (lane - 0.3, 0.6), facecolor=f"C{interval.batch % 10}", alpha=0.85)
         # Wide bars carry their label inside; narrow ones (copies) above, or below for odd batches.
         label_lane = lane if width > 0.04 * span else lane + (0.42 if interval.batch % 2 else -0.42)
-        axes.text(start + width / 2, label_lane, f"b{interval.batch}", ha="center", va="center", fontsize=8)
+        axes.text(start + width / 2, label_lane, interval.label, ha="center", va="center", fontsize=8)
     axes.set_yticks(range(len(PHASES)), [lanes[phase] for phase in PHASES])
     axes.set_ylim(len(PHASES) - 0.4, -0.6)
     axes.set_xlim(0, span * 1.02)
-    batch_count = len({interval.batch for interval in trace})
+    batch_count = len({interval.batch for interval in trace if interval.phase == "h2d"})
     swapped_mib = sum(interval.nbytes for interval in trace if interval.phase == "h2d") / MiB
     axes.set_title(
         f"Pipeline of one swapped step (step {step}): {batch_count} batches, {swapped_mib:.2f} MiB in and out"

@@ -10,7 +10,7 @@ import torch
 
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.sim import SimBackend
-from swap_core.trace import PHASES
+from swap_core.trace import PHASES, StepTrace, TraceInterval
 
 
 def test_trace_records_each_phase_of_each_batch_in_pipeline_order(tmp_path: Path) -> None:
@@ -70,3 +70,10 @@ def test_trace_is_off_by_default() -> None:
     params[0].grad = torch.ones_like(params[0])
     opt.step()
     assert opt.trace is None
+
+
+def test_the_resident_update_is_labeled_resident_in_the_export() -> None:
+    trace = StepTrace([TraceInterval(-1, "update", 0.0, 1e-4), TraceInterval(0, "h2d", 0.0, 2e-4, nbytes=64)])
+    assert [interval.label for interval in trace] == ["resident", "b0"]
+    names = [event["name"] for event in trace.to_chrome_trace()["traceEvents"] if event["ph"] == "X"]
+    assert names == ["update resident", "h2d b0"]

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .runtime.plan import RESIDENT_BATCH_INDEX
+
 __all__ = ["PHASES", "StepTrace", "TraceInterval"]
 
 PHASES = ("h2d", "update", "d2h")
@@ -26,11 +28,17 @@ class TraceInterval:
     """One phase of one batch, in seconds from the start of the step."""
 
     batch: int
+    """The batch's index in the step, or ``-1`` for the update of the resident parameters (no swapped state)."""
     phase: str
     start: float
     end: float
     nbytes: int = 0
     """Bytes copied (0 for updates)."""
+
+    @property
+    def label(self) -> str:
+        """``"b3"`` for batch 3, ``"resident"`` for the resident parameters' update."""
+        return "resident" if self.batch == RESIDENT_BATCH_INDEX else f"b{self.batch}"
 
     @property
     def seconds(self) -> float:
@@ -60,7 +68,7 @@ class StepTrace:
         for interval in self.intervals:
             events.append(
                 {
-                    "name": f"{interval.phase} b{interval.batch}",
+                    "name": f"{interval.phase} {interval.label}",
                     "cat": "swap",
                     "ph": "X",
                     "pid": 0,
