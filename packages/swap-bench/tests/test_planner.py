@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from swap_bench.cli import main
+from swap_bench.modeled import StepModel, model_step
 from swap_bench.models import MODELS, ModelShape, fsdp_shard_shape
 from swap_bench.planner import plan_model
 from swap_bench.report import SCHEMA
+from swap_bench.workloads import OPTIMIZERS
 from swap_core.sim import LinkModel
 
 pytestmark = pytest.mark.sim_only
@@ -142,3 +145,13 @@ def test_plan_command_writes_the_versioned_report(tmp_path: Path, capsys: pytest
     with pytest.raises(SystemExit):
         main(["plan", "--model", "gpt-9"])
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_the_planner_models_the_foreach_kernels_torch_picks_on_cuda() -> None:
+    """On meta tensors torch would pick its single-tensor kernels, which touch more bytes than CUDA's default."""
+    model = MODELS["llama-1b"]
+    planned = plan_model(model, "adamw", world=8, link="pcie4", swap_times=4)
+    tensors = [(fsdp_shard_shape(shape, 8, 0), torch.float32) for _, shape in model.parameter_shapes()]
+    single_tensor = model_step(StepModel(model.name, tensors, OPTIMIZERS["adamw"], "pcie4", 4, world=8))
+    assert planned.host_state_bytes == single_tensor.host_state_bytes
+    assert planned.update_seconds < single_tensor.update_seconds

@@ -11,7 +11,7 @@ on every machine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,8 @@ class StepModel:
     duplex: bool = True
     world: int = 1
     rank: int = 0
+    optimizer_options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    """Added to the optimizer's hyperparameters (unswapped and swapped alike), e.g. ``foreach=True``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +102,7 @@ def model_step(model: StepModel) -> ModeledRow:
         master_weights=model.master_weights,
     )
     params = _meta_params(model.tensors, model.optimizer)
-    swapped = swap_optimizer(model.optimizer.build(params), config)
+    swapped = swap_optimizer(model.optimizer.build(params, **model.optimizer_options), config)
     swapped.step()  # creates the states and offloads them
     backend.synchronize()  # the measured step starts with the device idle
     swapped.step()
@@ -160,7 +162,7 @@ def _plain_optimizer(model: StepModel, link: LinkModel) -> tuple[int, float]:
         low_precision = [param for param in params if param.dtype in (torch.bfloat16, torch.float16)]
         masters_bytes = sum(param.numel() * 4 for param in low_precision)
         params = [_fp32_leaf(param) if param.dtype in (torch.bfloat16, torch.float16) else param for param in params]
-    optimizer = model.optimizer.build(params)
+    optimizer = model.optimizer.build(params, **model.optimizer_options)
     optimizer.step()  # creates the states
     before = backend.modeled_times()
     with backend.compute_scope():

@@ -49,6 +49,7 @@ def plan_model(
     """Model rank ``rank``'s step for ``model`` sharded over ``world`` ranks by FSDP2.
 
     Parameters are bf16 with ``master_weights`` (fp32 masters swapped with the states), fp32 otherwise.
+    The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own.
     """
     if optimizer not in PLAN_OPTIMIZERS:
         raise ValueError(f"Unknown planner optimizer {optimizer!r}; expected one of {PLAN_OPTIMIZERS}")
@@ -70,6 +71,8 @@ def plan_model(
         master_weights=master_weights,
         world=world,
         rank=rank,
+        # torch's choice on a CUDA device; on meta tensors it would pick the single-tensor kernels.
+        optimizer_options={} if optimizer == "muon" else {"foreach": True},
     )
     return model_step(step)
 

@@ -94,7 +94,9 @@ class OptimizerSpec:
     """An optimizer family to benchmark; ``accepts`` filters the parameters it can own."""
 
     name: str
-    build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    build: Callable[..., torch.optim.Optimizer]
+    """``build(params, **options)``: the optimizer over ``params``, ``options`` added to its hyperparameters
+    (the planner asks for ``foreach=True``, what torch picks on a CUDA device)."""
     accepts: Callable[[torch.Tensor], bool] = lambda param: True
 
 
@@ -112,13 +114,13 @@ ADAMW_KWARGS = AdamWKwargs(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1
 them explicitly."""
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", lambda params: torch.optim.AdamW(params, **ADAMW_KWARGS)),
+    "adamw": OptimizerSpec("adamw", lambda params, **options: torch.optim.AdamW(params, **ADAMW_KWARGS, **options)),
     "muon": OptimizerSpec(
-        "muon", lambda params: torch.optim.Muon(params, lr=1e-3), accepts=lambda param: param.dim() == 2
+        "muon", lambda params, **options: torch.optim.Muon(params, lr=1e-3, **options), accepts=lambda p: p.dim() == 2
     ),
-    "rmsprop": OptimizerSpec("rmsprop", lambda params: torch.optim.RMSprop(params, lr=1e-3)),
+    "rmsprop": OptimizerSpec("rmsprop", lambda params, **options: torch.optim.RMSprop(params, lr=1e-3, **options)),
     # Served by swap-generic (their own step, batch by batch); skipped rows, with the reason, without it.
-    "sgd": OptimizerSpec("sgd", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)),
-    "adagrad": OptimizerSpec("adagrad", lambda params: torch.optim.Adagrad(params, lr=1e-3)),
-    "nadam": OptimizerSpec("nadam", lambda params: torch.optim.NAdam(params, lr=1e-3)),
+    "sgd": OptimizerSpec("sgd", lambda params, **options: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **options)),
+    "adagrad": OptimizerSpec("adagrad", lambda params, **options: torch.optim.Adagrad(params, lr=1e-3, **options)),
+    "nadam": OptimizerSpec("nadam", lambda params, **options: torch.optim.NAdam(params, lr=1e-3, **options)),
 }
