@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, SwapOptimizer
-from swap_core.errors import StateDictMismatchError, UnsupportedOptimizerError
+from swap_core.errors import StateDictMismatchError
 from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
@@ -190,14 +190,84 @@ def test_a_state_the_optimizer_did_not_create_is_refused_before_anything_changes
         assert_bitwise_equal(before[key], value, f"{key} after the refused load")
 
 
-def test_schedule_free_is_refused_naming_why() -> None:
+class LerpOnEval(torch.optim.SGD):
+    """A torch-only optimizer shaped like schedule-free's: ``train_mode`` in its groups, and ``train()``/``eval()``
+    that move the parameters towards a state outside ``step()`` (schedule-free lerps them towards ``z``)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, lr=1e-2, momentum=0.9)
+        for group in self.param_groups:
+            group["train_mode"] = True
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        self._switch(train_mode=False, weight=0.25)
+
+    @torch.no_grad()
+    def train(self) -> None:
+        self._switch(train_mode=True, weight=0.1)
+
+    def _switch(self, *, train_mode: bool, weight: float) -> None:
+        for group in self.param_groups:
+            if group["train_mode"] != train_mode:
+                for param in group["params"]:
+                    state = self.state[param]
+                    if "momentum_buffer" in state:
+                        param.lerp_(end=state["momentum_buffer"].to(param.device), weight=weight)
+                group["train_mode"] = train_mode
+
+
+def _schedule_free_factory() -> Factory:
     schedulefree = pytest.importorskip("schedulefree")
+
+    def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        optimizer: torch.optim.Optimizer = schedulefree.AdamWScheduleFree(params, lr=1e-2, warmup_steps=2)
+        optimizer.train()  # type: ignore[attr-defined]  # schedule-free steps only in train mode
+        return optimizer
+
+    return factory
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("name", ["lerp_on_eval", "schedule_free_adamw"])
+def test_train_and_eval_outside_step_run_on_the_masters_bitwise(name: str, packed: bool) -> None:
+    """``eval()``/``train()`` (on the SwapOptimizer or on the wrapped optimizer) move the fp32 masters, as the plain
+    optimizer over fp32 masters does, and the parameters follow; a pending prefetch is dropped first."""
+    factory: Factory = LerpOnEval if name == "lerp_on_eval" else _schedule_free_factory()
+    for mode, seed in MODES:
+        sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
+        reference = MasterReference(make_params(), factory)
+        params = make_params()
+        optimizer = swapped(params, factory, sim, packed=packed)
+        where = f"{name} {mode} {seed}"
+        train(reference, optimizer, params, range(3))
+        optimizer.prefetch()  # eval() changes host states: this copy-in must not be used
+        allocated = sim.memory_allocated()
+        for switch, entry in (("eval", optimizer), ("train", optimizer.optimizer), ("eval", optimizer.optimizer)):
+            getattr(reference.optimizer, switch)()
+            reference.copy_masters_to_params()
+            getattr(entry, switch)()
+            reference.assert_matches(optimizer, params, f"{where}: after {switch}()")
+            assert [group["train_mode"] for group in optimizer.param_groups] == [
+                group["train_mode"] for group in reference.optimizer.param_groups
+            ]
+            assert sim.memory_allocated() <= allocated, "staging of the outside-step call left on the device"
+        assert not optimizer.prefetched
+        optimizer.train()  # type: ignore[attr-defined]
+        reference.optimizer.train()  # type: ignore[attr-defined]
+        reference.copy_masters_to_params()
+        train(reference, optimizer, params, range(3, 6))
+        reference.assert_matches(optimizer, params, f"{where}: after 3 more steps")
+
+
+def test_outside_step_methods_are_named_and_others_refused() -> None:
     params = make_params()
-    plain = schedulefree.AdamWScheduleFree(list(params), lr=1e-2)
-    config = SwapConfig(backend=SimBackend(), master_weights=True)
-    with pytest.raises(UnsupportedOptimizerError, match=r"AdamWScheduleFree through GenericAdapter: its train\(\)"):
-        SwapOptimizer(plain, config, adapter_factory=GenericAdapter)
-    assert not plain.state
+    optimizer = swapped(params, LerpOnEval, SimBackend(mode="random", seed=4))
+    assert optimizer.adapter.outside_step_methods == ("train", "eval")
+    with pytest.raises(ValueError, match=r"'zero_grad' is not a method run outside step\(\) for LerpOnEval"):
+        optimizer.outside_step("zero_grad")
+    plain = swapped(make_params(), FACTORIES["sgd_nesterov_wd"], SimBackend())
+    assert plain.adapter.outside_step_methods == () and not hasattr(plain, "eval")
 
 
 BNB_SHAPES_AND_DTYPES = (((128, 64), torch.bfloat16), ((8192,), torch.float16), ((16,), torch.float32))

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -25,6 +25,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .adapters.base import UpdateBatch
 from .errors import SwapStateError
 from .runtime.tracked_state import TrackedState
+
+if TYPE_CHECKING:
+    from .backends.protocol import DeviceBackend
+
+_Result = TypeVar("_Result")
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
@@ -38,6 +43,7 @@ __all__ = [
     "masters_presented",
     "model_param",
     "on_masters",
+    "outside_step_on_masters",
     "params_as_masters",
     "stand_in",
     "without_master",
@@ -283,3 +289,109 @@ def master_state_dict(module: torch.nn.Module, *optimizers: torch.optim.Optimize
 
 def _keys(state: Mapping[str, Any]) -> str:
     return ", ".join(repr(key) for key in state) or "no keys"
+
+
+def outside_step_on_masters(
+    optimizer: torch.optim.Optimizer, backend: DeviceBackend, call: Callable[[], _Result]
+) -> _Result:
+    """Run ``call`` (a method of ``optimizer`` that reads and writes parameters and states outside ``step()``) as the
+    plain optimizer over fp32 masters would run it, one parameter at a time.
+
+    For each parameter in turn, its swapped states and master are copied to the device, the param groups list only
+    the master (the parameter itself when it has none) with those device states as its ``state`` entry, and
+    ``call`` runs; the states and the master are then copied back to their host mirrors and the parameter is set
+    from the master. Group values (``train_mode``...) are restored before each parameter's call, and every call
+    must leave the same ones, which are kept. Device memory: one parameter's states at a time. The caller has
+    synchronized the optimizer and dropped any prefetch; host mirrors are current again when this returns.
+    """
+    groups = optimizer.param_groups
+    originals = [group["params"] for group in groups]
+    before = [_GroupValues(group) for group in groups]
+    after: list[_GroupValues] | None = None
+    result: _Result | None = None
+    called = False
+    try:
+        for group, params in zip(groups, originals, strict=True):
+            for param in params:
+                for values in before:
+                    values.restore()
+                with _staged(optimizer, backend, param) as presented:
+                    for other in groups:
+                        other["params"] = [presented] if other is group else []
+                    with backend.compute_scope():
+                        result = call()
+                        called = True
+                        if presented is not param:
+                            with torch.no_grad():
+                                param.copy_(presented)
+                now = [_GroupValues(other) for other in groups]
+                if after is None:
+                    after = now
+                elif any(not first.same_as(later) for first, later in zip(after, now, strict=True)):
+                    raise SwapStateError(
+                        f"{type(optimizer).__name__}'s method run outside step() wrote different param group values "
+                        "for different parameters; it cannot run one parameter at a time over fp32 masters"
+                    )
+    finally:
+        for group, params in zip(groups, originals, strict=True):
+            group["params"] = params
+        for values in after if after is not None else before:
+            values.restore()
+        backend.synchronize()
+    if not called:  # no parameter at all: once over the (empty) groups, as the plain optimizer would
+        return call()
+    return result  # type: ignore[return-value]  # set by the last call
+
+
+@contextlib.contextmanager
+def _staged(optimizer: torch.optim.Optimizer, backend: DeviceBackend, param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``param``'s master (or ``param``) with device copies of its host-mirrored states as its ``state`` entry."""
+    entries = optimizer.state
+    if not isinstance(entries, TrackedState):
+        raise TypeError(f"outside_step_on_masters needs a SwapOptimizer's state, got a {type(entries).__name__}")
+    state = dict.get(entries, param) or {}
+    compute = backend.compute_stream()
+    staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and not backend.owns(value):
+            device = backend.empty(tuple(value.shape), value.dtype)
+            backend.copy(device, value, stream=compute)
+            staged[key] = (value, device)
+    presented_state = {key: staged[key][1] if key in staged else value for key, value in state.items()}
+    master = presented_state.pop(MASTER_KEY, None)
+    presented = master if isinstance(master, torch.Tensor) else param
+    try:
+        with entries.lent([(presented, presented_state)] if state else []):
+            yield presented
+        for host, device in staged.values():
+            backend.copy(host, device, stream=compute)
+    finally:
+        for _, device in staged.values():
+            backend.release_storage(device)
+
+
+class _GroupValues:
+    """A param group's values other than ``params`` (tensors by value), to put back and to compare."""
+
+    def __init__(self, group: dict[str, Any]) -> None:
+        self._group = group
+        self._values = {key: value for key, value in group.items() if key != "params"}
+        self._tensors = {key: value.clone() for key, value in self._values.items() if isinstance(value, torch.Tensor)}
+
+    def restore(self) -> None:
+        for key in [key for key in self._group if key != "params" and key not in self._values]:
+            del self._group[key]
+        self._group.update(self._values)
+        for key, saved in self._tensors.items():
+            self._values[key].copy_(saved)
+
+    def same_as(self, other: _GroupValues) -> bool:
+        if self._values.keys() != other._values.keys():
+            return False
+        for key, value in self._values.items():
+            if key in self._tensors:
+                if not torch.equal(self._tensors[key], other._tensors[key]):
+                    return False
+            elif other._values[key] != value:
+                return False
+        return True

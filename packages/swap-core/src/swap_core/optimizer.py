@@ -38,6 +38,7 @@ from .master_weights import (
     is_fresh,
     master_problem,
     on_masters,
+    outside_step_on_masters,
     params_as_masters,
     stand_in,
     without_master,
@@ -187,6 +188,44 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._backward_prefetch = BackwardPrefetch(self, self.prefetch)
             self._arm_backward_prefetch(after_step=False)  # states loaded or deep-copied: the first backward prefetches
         _WRAPPERS[optimizer] = weakref.ref(self)
+        self._offer_outside_step_methods()
+
+    def _offer_outside_step_methods(self) -> None:
+        """``swapped.eval()`` and the wrapped optimizer's own ``eval()`` both run :meth:`outside_step`."""
+        for name in self.adapter.outside_step_methods:
+            if not callable(getattr(type(self.optimizer), name, None)) or hasattr(type(self), name):
+                raise TypeError(
+                    f"{type(self.adapter).__name__} declares {name!r} as a method of {type(self.optimizer).__name__} "
+                    "run outside step(), but the optimizer's class has no such method (or SwapOptimizer has one)"
+                )
+            self.__dict__[name] = functools.partial(self.outside_step, name)
+            self.optimizer.__dict__[name] = _OutsideStepRedirect(self.optimizer, name)
+
+    def outside_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped optimizer's method ``name``, one that reads and writes parameters and states outside
+        ``step()`` (schedule-free's ``train()`` and ``eval()``), as the plain optimizer would run it.
+
+        The adapter names such methods (``adapter.outside_step_methods``); ``swapped.eval()`` and the wrapped
+        optimizer's own ``eval()`` come here. The offloads finish and a pending :meth:`prefetch` is dropped
+        first, so the method sees, and may change, current states. With master weights it runs over the fp32
+        masters, one parameter at a time, its states and master staged on the device
+        (:func:`~swap_core.master_weights.outside_step_on_masters`); the parameters are then set from the masters.
+        """
+        if name not in self.adapter.outside_step_methods:
+            raise ValueError(
+                f"{name!r} is not a method run outside step() for {type(self.optimizer).__name__}; "
+                f"{type(self.adapter).__name__} names {self.adapter.outside_step_methods or 'none'}"
+            )
+        method = functools.partial(getattr(type(self.optimizer), name), self.optimizer, *args, **kwargs)
+        if self._scheduler is None:
+            return method()
+        self.synchronize()
+        self._scheduler.discard_prefetch()
+        self._prefetched_at = None
+        if not self._master_weights:
+            return method()
+        assert self.backend is not None
+        return outside_step_on_masters(self.optimizer, self.backend, method)
 
     def _share_hooks(self) -> None:
         # Hooks registered on the plain optimizer (before wrapping, too) run once per step.
@@ -1118,3 +1157,33 @@ def _group_params(param_group: Mapping[str, Any]) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
     return list(params)
+
+
+class _OutsideStepRedirect:
+    """The wrapped optimizer's own ``eval`` (say): runs its wrapper's :meth:`SwapOptimizer.outside_step`.
+
+    Without a live wrapper (a deep copy of the wrapped optimizer, or one whose wrapper is gone) it runs the
+    class's method, as the plain optimizer would.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, name: str) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise ReferenceError(f"the optimizer of this {self._name}() is gone")
+        reference = _WRAPPERS.get(optimizer)
+        wrapper = reference() if reference is not None else None
+        if wrapper is None or wrapper.optimizer is not optimizer:
+            return getattr(type(optimizer), self._name)(optimizer, *args, **kwargs)
+        return wrapper.outside_step(self._name, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OutsideStepRedirect:
+        optimizer = self._optimizer()
+        copied = memo.get(id(optimizer), optimizer) if optimizer is not None else None
+        twin = object.__new__(_OutsideStepRedirect)
+        twin._optimizer = weakref.ref(copied) if copied is not None else self._optimizer
+        twin._name = self._name
+        return twin

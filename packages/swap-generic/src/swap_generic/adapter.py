@@ -30,7 +30,7 @@ from swap_core.torch_compat import step_hooks_silenced
 
 from .group_values import GroupValues
 from .probe import coupling_of
-from .third_party import master_weights_refusal, third_party_refusal
+from .third_party import outside_step_methods, third_party_refusal
 from .torch_compat import unhooked_step
 
 __all__ = ["NOT_PER_PARAMETER", "GenericAdapter", "register"]
@@ -76,7 +76,8 @@ class GenericAdapter(StateSwapAdapter):
                 "batch by batch, which would update such an optimizer wrongly; it needs a dedicated adapter "
                 "(swap_core.register_adapter)"
             )
-        self.master_weights_unsupported = master_weights_refusal(optimizer)
+        # Schedule-free's train()/eval() move the parameters between its sequences: run through the SwapOptimizer.
+        self.outside_step_methods = outside_step_methods(optimizer)
         self._step = unhooked_step(optimizer)
         # By identity: a tensor's == is elementwise. Weak: a parameter dropped from the model is forgotten.
         self._signatures = WeakIdKeyDictionary()

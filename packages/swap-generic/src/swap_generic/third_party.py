@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["master_weights_refusal", "third_party_refusal"]
+__all__ = ["outside_step_methods", "third_party_refusal"]
 
 
 def third_party_refusal(optimizer: torch.optim.Optimizer) -> str | None:
@@ -31,11 +31,8 @@ def _bitsandbytes_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def master_weights_refusal(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why ``optimizer`` cannot run on fp32 master weights, or ``None`` (schedule-free's ``train``/``eval``)."""
-    if any("train_mode" in group for group in optimizer.param_groups) and callable(getattr(optimizer, "eval", None)):
-        return (
-            "its train() and eval() move the parameters between schedule-free's sequences outside step(), on the "
-            "bfloat16/float16 parameters, where the fp32 masters the steps run on cannot follow"
-        )
-    return None
+def outside_step_methods(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """Methods of ``optimizer`` that move its parameters outside ``step()``: schedule-free's ``train``/``eval``."""
+    if any("train_mode" in group for group in optimizer.param_groups):
+        return tuple(name for name in ("train", "eval") if callable(getattr(type(optimizer), name, None)))
+    return ()

@@ -88,6 +88,13 @@ class StateSwapAdapter(abc.ABC):
     state is updated with an empty state dict, and right after its batch the states the update created
     move to host memory, so no more than one batch of fresh states is on the device at once."""
 
+    outside_step_methods: tuple[str, ...] = ()
+    """Methods of the wrapped optimizer that read and write its parameters and states outside ``step()``
+    (schedule-free's ``train`` and ``eval``). The :class:`~swap_core.SwapOptimizer` offers each one
+    (``swapped.eval()``; the wrapped optimizer's own attribute is redirected to it) and runs it on current
+    states, over the fp32 masters with master weights (:func:`~swap_core.master_weights.outside_step_on_masters`).
+    An instance attribute: an adapter sets it for the optimizers that have such methods."""
+
     master_weights_unsupported: str | None = None
     """Why :meth:`update` cannot run on fp32 master weights yet, or ``None`` when it can (a class attribute,
     or set by ``__init__`` for the wrapped optimizer it was given). With

@@ -215,6 +215,13 @@ class PipelineScheduler:
         self.backend.wait_event(stream, self.backend.record_event(self.compute))
 
     # -- an early prefetch ---------------------------------------------------------
+    def discard_prefetch(self) -> None:
+        """Drop a pending :meth:`prefetch` (host states are about to change outside a step): its staging is freed."""
+        early, self._early = self._early, None
+        if early is not None:
+            transition(early.plan.batches[0].slots, SlotState.H2D, SlotState.HOST)
+            self._free_first_batch(early.plan, early.event)
+
     def _take_early(self, plan: SwapPlan) -> _EarlyPrefetch | None:
         """The pending prefetch of ``plan``'s first batch, or ``None``; one of another plan is dropped."""
         early, self._early = self._early, None
