@@ -337,3 +337,21 @@ def test_states_made_before_wrapping_get_masters_from_the_params_with_one_warnin
     reference.assert_matches(optimizer, params, "wrapped")
     train(reference, optimizer, range(1, 4))
     reference.assert_matches(optimizer, params, "after three steps of the wrapped optimizer")
+
+
+@pytest.mark.parametrize(("mode", "seed"), [("lazy", 0), ("random", 3)])
+def test_a_deep_copy_in_master_mode_is_an_independent_twin_bitwise_the_reference(mode: str, seed: int) -> None:
+    """copy.deepcopy of a swapped optimizer with master weights (refused before: the adapter of the copy read the
+    copied masters as states its optimizer does not make) continues as the original would."""
+    reference = MasterReference(make_params(), rmsprop)
+    optimizer = swapped(make_params(), SimBackend(mode=mode, seed=seed))  # type: ignore[arg-type]
+    train(reference, optimizer, range(2))
+    twin = copy.deepcopy(optimizer)
+    assert all(
+        MASTER_KEY in twin.state[param] for param in twin.param_groups[0]["params"] if param.dtype != torch.float32
+    )
+    twin_reference = copy.deepcopy(reference)
+    train(reference, optimizer, range(2, 4))
+    train(twin_reference, twin, range(2, 4))
+    assert_matches_reference(reference, optimizer, "the original after the copy")
+    assert_matches_reference(twin_reference, twin, "the twin, stepped on its own")

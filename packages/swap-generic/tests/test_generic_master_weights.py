@@ -10,6 +10,7 @@ optimizer over fp32 leaf copies of the bf16/fp16 parameters.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -297,3 +298,27 @@ def test_bitsandbytes_over_masters_bitwise_and_its_own_load_keeps_them_fp32(name
     assert resumed.state[resumed_params[0]][MASTER_KEY].dtype == torch.float32
     train(reference, resumed, resumed_params, range(3, 5))
     reference.assert_matches(resumed, resumed_params, "resumed through bitsandbytes' own load, 2 steps on")
+
+
+def test_a_deep_copy_with_master_weights_steps_and_switches_as_the_original() -> None:
+    """The copy's adapter reads the copied states without the masters (before: 'lacks master_param'); its eval()
+    and train(), on it or on its wrapped optimizer, are its own."""
+    reference = MasterReference(make_params(), LerpOnEval)
+    optimizer = swapped(make_params(), LerpOnEval, SimBackend(mode="random", seed=4))
+    params = list(optimizer.param_groups[0]["params"])
+    train(reference, optimizer, params, range(2))
+    twin = copy.deepcopy(optimizer)
+    twin_params = list(twin.param_groups[0]["params"])
+    twin.eval()  # type: ignore[operator]
+    assert all(not group["train_mode"] for group in twin.param_groups)
+    assert all(group["train_mode"] for group in optimizer.param_groups)
+    twin.optimizer.train()  # type: ignore[operator]
+    reference.assert_matches(optimizer, params, "the original after the twin's eval() and train()")
+    twin_reference = copy.deepcopy(reference)
+    for name in ("eval", "train"):
+        getattr(twin_reference.optimizer, name)()
+        twin_reference.copy_masters_to_params()
+    train(twin_reference, twin, twin_params, range(2, 4))
+    train(reference, optimizer, params, range(2, 4))
+    twin_reference.assert_matches(twin, twin_params, "the twin after its own switches and steps")
+    reference.assert_matches(optimizer, params, "the original after 4 steps")

@@ -135,7 +135,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.config = config
         self._adapter_factory = adapter_factory
-        self.adapter: StateSwapAdapter = adapter_factory(optimizer)
+        with _masters_set_aside(optimizer) if config.master_weights else contextlib.nullcontext():
+            # An adapter reads existing states as its optimizer would have made them (a deep copy's, a
+            # checkpoint's loaded before wrapping): the masters are swap's, not the optimizer's.
+            self.adapter: StateSwapAdapter = adapter_factory(optimizer)
         self.backend: DeviceBackend | None = select_backend(
             config.backend, self._ordered_params(), master_weights=config.master_weights
         )
@@ -1187,3 +1190,17 @@ class _OutsideStepRedirect:
         twin._optimizer = weakref.ref(copied) if copied is not None else self._optimizer
         twin._name = self._name
         return twin
+
+
+@contextlib.contextmanager
+def _masters_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """``optimizer.state`` without the fp32 masters for the duration (put back whatever happens)."""
+    masters: list[tuple[dict[str, Any], Any]] = []
+    for state in optimizer.state.values():
+        if isinstance(state, dict) and MASTER_KEY in state:
+            masters.append((state, dict.pop(state, MASTER_KEY)))
+    try:
+        yield
+    finally:
+        for state, master in masters:
+            dict.__setitem__(state, MASTER_KEY, master)
