@@ -355,3 +355,19 @@ def test_a_deep_copy_in_master_mode_is_an_independent_twin_bitwise_the_reference
     train(twin_reference, twin, range(2, 4))
     assert_matches_reference(reference, optimizer, "the original after the copy")
     assert_matches_reference(twin_reference, twin, "the twin, stepped on its own")
+
+
+def test_an_outside_step_method_the_class_lacks_is_refused_before_anything_changes() -> None:
+    from swap_core.adapters.rmsprop import RMSpropAdapter
+
+    class DeclaresEval(RMSpropAdapter):
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            super().__init__(optimizer)
+            self.outside_step_methods = ("eval",)
+
+    params = make_params()
+    plain = rmsprop(list(params))
+    plain_state = plain.state
+    with pytest.raises(TypeError, match=r"declares 'eval' as a method of RMSprop run outside step\(\)"):
+        SwapOptimizer(plain, SwapConfig(backend=SimBackend(), master_weights=True), adapter_factory=DeclaresEval)
+    assert plain.state is plain_state and not plain.state and "eval" not in vars(plain)

@@ -308,8 +308,7 @@ def outside_step_on_masters(
     originals = [group["params"] for group in groups]
     before = [_GroupValues(group) for group in groups]
     after: list[_GroupValues] | None = None
-    result: _Result | None = None
-    called = False
+    results: list[_Result] = []
     try:
         for group, params in zip(groups, originals, strict=True):
             for param in params:
@@ -319,8 +318,7 @@ def outside_step_on_masters(
                     for other in groups:
                         other["params"] = [presented] if other is group else []
                     with backend.compute_scope():
-                        result = call()
-                        called = True
+                        results.append(call())
                         if presented is not param:
                             with torch.no_grad():
                                 param.copy_(presented)
@@ -338,9 +336,9 @@ def outside_step_on_masters(
         for values in after if after is not None else before:
             values.restore()
         backend.synchronize()
-    if not called:  # no parameter at all: once over the (empty) groups, as the plain optimizer would
+    if not results:  # no parameter at all: once over the (empty) groups, as the plain optimizer would
         return call()
-    return result  # type: ignore[return-value]  # set by the last call
+    return results[-1]
 
 
 @contextlib.contextmanager

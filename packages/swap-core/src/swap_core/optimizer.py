@@ -139,6 +139,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             # An adapter reads existing states as its optimizer would have made them (a deep copy's, a
             # checkpoint's loaded before wrapping): the masters are swap's, not the optimizer's.
             self.adapter: StateSwapAdapter = adapter_factory(optimizer)
+        self._check_outside_step_methods()
         self.backend: DeviceBackend | None = select_backend(
             config.backend, self._ordered_params(), master_weights=config.master_weights
         )
@@ -193,14 +194,18 @@ class SwapOptimizer(torch.optim.Optimizer):
         _WRAPPERS[optimizer] = weakref.ref(self)
         self._offer_outside_step_methods()
 
-    def _offer_outside_step_methods(self) -> None:
-        """``swapped.eval()`` and the wrapped optimizer's own ``eval()`` both run :meth:`outside_step`."""
+    def _check_outside_step_methods(self) -> None:
+        """Refuse, before anything changes, a name the adapter declares that the optimizer's class lacks."""
         for name in self.adapter.outside_step_methods:
             if not callable(getattr(type(self.optimizer), name, None)) or hasattr(type(self), name):
                 raise TypeError(
                     f"{type(self.adapter).__name__} declares {name!r} as a method of {type(self.optimizer).__name__} "
                     "run outside step(), but the optimizer's class has no such method (or SwapOptimizer has one)"
                 )
+
+    def _offer_outside_step_methods(self) -> None:
+        """``swapped.eval()`` and the wrapped optimizer's own ``eval()`` both run :meth:`outside_step`."""
+        for name in self.adapter.outside_step_methods:
             self.__dict__[name] = functools.partial(self.outside_step, name)
             self.optimizer.__dict__[name] = _OutsideStepRedirect(self.optimizer, name)
 
@@ -1185,11 +1190,9 @@ class _OutsideStepRedirect:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _OutsideStepRedirect:
         optimizer = self._optimizer()
-        copied = memo.get(id(optimizer), optimizer) if optimizer is not None else None
-        twin = object.__new__(_OutsideStepRedirect)
-        twin._optimizer = weakref.ref(copied) if copied is not None else self._optimizer
-        twin._name = self._name
-        return twin
+        if optimizer is None:
+            return self
+        return _OutsideStepRedirect(memo.get(id(optimizer), optimizer), self._name)
 
 
 @contextlib.contextmanager
