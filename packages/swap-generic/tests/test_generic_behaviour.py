@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from swap_core import SwapConfig, swap_optimizer
+from swap_core import SwapConfig, UpdateBatch, swap_optimizer
 from swap_core.adapters.registry import default_registry
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.sim import SimBackend
@@ -161,23 +161,95 @@ def test_a_group_value_written_differently_per_batch_is_refused() -> None:
         swapped.step()
 
 
-class _GroupEditingSGD(_CountingSGD):
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        self.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
-        return super().step(closure)
+def _append_to_first_group(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
 
 
-def test_a_step_that_edits_param_groups_is_refused_and_the_lists_are_restored() -> None:
+def _fill_empty_groups(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        if not group["params"]:
+            group["params"].append(torch.nn.Parameter(torch.zeros(3)))
+
+
+def _replace_the_list(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups = list(optimizer.param_groups)
+
+
+def _add_a_group(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups.append({**optimizer.defaults, "params": []})
+
+
+def _replace_a_group(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups[-1] = dict(optimizer.param_groups[-1])
+
+
+def _share_the_params(optimizer: torch.optim.Optimizer) -> None:
+    first, *rest = optimizer.param_groups
+    for group in rest:
+        group["params"] = first["params"]
+
+
+EDITS = {
+    "append to the first group": _append_to_first_group,
+    "fill the empty groups": _fill_empty_groups,
+    "replace param_groups": _replace_the_list,
+    "add a group": _add_a_group,
+    "replace a group": _replace_a_group,
+    "one list in every group": _share_the_params,
+}
+ONLY_WITH_SEVERAL_GROUPS = {"fill the empty groups", "one list in every group"}
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_every_edit_of_param_groups_inside_step_is_refused_and_undone(edit: str, groups: int) -> None:
+    """Whatever a step does to the groups it was given, the batch is refused and the groups are put back as
+    they were (the same list, dicts and "params" lists), one group or several."""
     params = _params()
-    swapped = swap_optimizer(_GroupEditingSGD(params, lr=0.1), _config())
-    groups_before = [group["params"] for group in swapped.param_groups]
+    edits = EDITS[edit]
+
+    class Editing(_CountingSGD):
+        active = False  # off while swap-generic probes the step at wrap time (it would refuse some edits there)
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            if self.active:
+                edits(self)
+            return super().step(closure)
+
+    split = [{"params": params[:2]}, {"params": params[2:], "lr": 0.05}] if groups == 2 else params
+    swapped = swap_optimizer(Editing(split, lr=0.1), _config())
+    Editing.active = True
+    inner = swapped.optimizer
+    groups_before, members_before = inner.param_groups, list(inner.param_groups)
+    lists_before = [(group["params"], len(group["params"])) for group in members_before]
     _set_grads(params, 0)
+    if groups == 1 and edit in ONLY_WITH_SEVERAL_GROUPS:
+        swapped.step()  # nothing to edit with one group (it always holds the batch): the step is the plain one
+        return
     with pytest.raises(UnsupportedOptimizerError, match="changed param_groups"):
         swapped.step()
-    assert [group["params"] for group in swapped.param_groups] == groups_before
-    assert all(now is before for now, before in zip(swapped.param_groups, [swapped.param_groups[0]], strict=False))
-    assert swapped.param_groups[0]["params"] is groups_before[0] and len(groups_before[0]) == len(params)
+    assert inner.param_groups is groups_before and len(groups_before) == len(members_before)
+    assert all(now is before for now, before in zip(groups_before, members_before, strict=True))
+    assert [(group["params"], len(group["params"])) for group in groups_before] == lists_before
+    assert all(group["params"] is before for group, (before, _) in zip(groups_before, lists_before, strict=True))
+
+
+def test_update_outside_step_scope_is_a_step_of_its_own() -> None:
+    """swap-core calls update() inside step_scope(); called alone, one batch is one plain step."""
+    params, reference = _params(), _params()
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(reference, lr=0.1, momentum=0.9)
+    adapter = GenericAdapter(optimizer)
+    for step in range(3):
+        _set_grads(params, step)
+        _set_grads(reference, step)
+        states = [optimizer.state.get(param, {}) for param in params]
+        adapter.update(UpdateBatch(optimizer.param_groups[0], params, [p.grad for p in params], states, 0))
+        plain.step()
+    for param, expected in zip(params, reference, strict=True):
+        assert torch.equal(param, expected)
+        assert torch.equal(optimizer.state[param]["momentum_buffer"], plain.state[expected]["momentum_buffer"])
 
 
 class _ListStateSGD(_CountingSGD):

@@ -21,6 +21,7 @@ from .host_allocator import keep_freed_host_memory
 from .link import measure_link
 from .measure import RowConfig, measure_comparison, measure_row
 from .modeled import StepModel, model_step
+from .narrowing import narrowing_main
 from .planner import plan_main
 from .report import BenchReport, render_table
 from .workloads import OPTIMIZERS, QUICK_WORKLOADS, WORKLOADS, Workload
@@ -88,7 +89,7 @@ def run_bench(
                 report.rows.append(measure_row(row, backend_factory, report.link, warmup=warmup, repeats=repeats))
                 if link_model is not None:
                     report.modeled.append(model_step(_modeled(row, link_model)))
-            except (AdapterNotFoundError, UnsupportedOptimizerError) as error:
+            except (AdapterNotFoundError, UnsupportedOptimizerError, ModuleNotFoundError) as error:
                 report.skipped.append({"row": row.label, "reason": str(error).splitlines()[0]})
             progress.advance(task)
         for comparison in comparisons:
@@ -133,13 +134,19 @@ def _run_comparison(
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report.
 
-    ``swap-bench plan ...`` runs the planner instead (:func:`~swap_bench.planner.plan_main`).
+    ``swap-bench plan ...`` runs the planner instead (:func:`~swap_bench.planner.plan_main`), ``swap-bench
+    narrowing ...`` the narrowed-step measurement (:func:`~swap_bench.narrowing.narrowing_main`).
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["plan"]:
         return plan_main(arguments[1:])
+    if arguments[:1] == ["narrowing"]:
+        return narrowing_main(arguments[1:])
     parser = argparse.ArgumentParser(
-        prog="swap-bench", description=__doc__, epilog="swap-bench plan --help: the planner for real model sizes"
+        prog="swap-bench",
+        description=__doc__,
+        epilog="swap-bench plan --help: the planner for real model sizes; swap-bench narrowing --help: the host "
+        "time of swap-generic's narrowed step",
     )
     parser.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a smoke run for CI")
     parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)

@@ -150,6 +150,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         "skipped": skipped,
         "comparisons": [],
         "modeled_rows": [row.as_dict() for row in rows],
+        "narrowing_rows": [],
     }
     if args.markdown is not None:
         Path(args.markdown).write_text(markdown_table(rows))

@@ -19,8 +19,9 @@ from .modeled import ModeledRow
 
 __all__ = ["SCHEMA", "BenchReport", "machine_facts", "render_modeled_table", "render_table", "save_json"]
 
-SCHEMA = "swap-bench/2"
-"""Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``)."""
+SCHEMA = "swap-bench/3"
+"""Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``; 3:
+``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds)."""
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class BenchReport:
             "skipped": self.skipped,
             "comparisons": [comparison.as_dict() for comparison in self.comparisons],
             "modeled_rows": [row.as_dict() for row in self.modeled],
+            "narrowing_rows": [],
         }
 
     def save(self, path: str | Path) -> Path:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -123,4 +124,17 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "sgd": OptimizerSpec("sgd", lambda params, **options: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **options)),
     "adagrad": OptimizerSpec("adagrad", lambda params, **options: torch.optim.Adagrad(params, lr=1e-3, **options)),
     "nadam": OptimizerSpec("nadam", lambda params, **options: torch.optim.NAdam(params, lr=1e-3, **options)),
+    # bitsandbytes, when installed (else a skipped row): uint8 states from 256 elements (its default is 4,096).
+    "adamw8bit": OptimizerSpec("adamw8bit", lambda params, **options: _bitsandbytes_adamw8bit(params, **options)),
 }
+
+
+def _bitsandbytes_adamw8bit(params: Sequence[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
+    try:
+        bitsandbytes_optim = importlib.import_module("bitsandbytes.optim")
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "bitsandbytes is not installed: adamw8bit rows need it (pip install bitsandbytes)", name=error.name
+        ) from error
+    optimizer: torch.optim.Optimizer = bitsandbytes_optim.AdamW8bit(params, lr=1e-3, min_8bit_size=256, **options)
+    return optimizer

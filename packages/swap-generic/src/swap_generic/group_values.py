@@ -41,10 +41,11 @@ class GroupValues:
             }
             for start in self._start
         ]
-        # The common case, nothing written, is told by identity alone: one C-level pass per group.
+        # The common case, nothing written, is told by identity alone: C-level passes over each group's keys
+        # and values (``params`` included: each batch's step has put the original list back before the check).
         self._unchanged = [
-            (len(group), tuple(start), tuple(start.values()))
-            for group, start in zip(self._groups, self._start, strict=True)
+            (group, tuple(group), tuple(group.values()), [(group[key], saved[1]) for key, saved in tensors.items()])
+            for group, tensors in zip(self._groups, self._start_tensors, strict=True)
         ]
         self._written: list[dict[str, Any]] | None = None
         """What the first batch wrote, per group (tensors written in place: a copy of what they hold)."""
@@ -68,9 +69,10 @@ class GroupValues:
 
     def after_batch(self, batch_index: int) -> None:
         """Record the first batch's writes; refuse a later batch that wrote anything else."""
+        if not self._written and self._untouched():
+            self._written = []  # nothing written (the usual case): later batches skip every restore
+            return
         writes = list(map(self._writes, range(len(self._groups))))
-        if self._written == [] and not any(writes):
-            return  # the usual case: no batch writes any group value
         if self._written is None:
             self._written = [
                 {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in group.items()}
@@ -90,13 +92,20 @@ class GroupValues:
                         "it needs a dedicated adapter (swap_core.register_adapter)"
                     )
 
+    def _untouched(self) -> bool:
+        """Whether every group holds the very keys and values the step started with (tensors not written)."""
+        for group, keys, values, versions in self._unchanged:
+            if len(group) != len(keys) or not all(map(operator.is_, group.values(), values)):
+                return False
+            if not all(map(operator.is_, group, keys)):
+                return False
+            if versions and any(tensor_version(tensor) != version for tensor, version in versions):
+                return False
+        return True
+
     def _writes(self, index: int) -> dict[str, Any]:
         """The values group ``index`` holds now that differ from the step's start values."""
         group, start, tensors = self._groups[index], self._start[index], self._start_tensors[index]
-        size, keys, values = self._unchanged[index]
-        untouched = len(group) == size and all(map(operator.is_, map(group.get, keys), values))
-        if untouched and all(tensor_version(group[key]) == version for key, (_, version) in tensors.items()):
-            return {}
         writes: dict[str, Any] = {}
         for key, value in group.items():
             if key == "params":
