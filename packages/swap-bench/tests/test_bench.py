@@ -84,13 +84,21 @@ def _rows(report: dict[str, Any], workload: str) -> list[dict[str, Any]]:
     return [row for row in report["rows"] if row["workload"] == workload]
 
 
+def _uniform_copies(row: dict[str, Any], *, tensors: int) -> int:
+    """Copies each way for equal tensors of one dtype: one per tensor, or packed one per batch, two with more than
+    two batches (every balanced batch crosses the middle of its arena, where the copy is cut)."""
+    if not row["packed"]:
+        return tensors
+    k = int(row["swap_times"])
+    return k if k <= 2 else 2 * k
+
+
 def test_exact_counts_many_small(report: dict[str, Any]) -> None:
     # 64 fp32 matrices of 32 x 32: one 4 KiB square_avg each, all swapped (min_numel 1024), no padding.
     for row in _rows(report, "many_small"):
         assert row["h2d_bytes"] == row["d2h_bytes"] == 64 * 4096
         assert row["peak_state_device_bytes_unswapped"] == 64 * 4096
-        expected_copies = row["swap_times"] if row["packed"] else 64
-        assert row["h2d_copies"] == row["d2h_copies"] == expected_copies
+        assert row["h2d_copies"] == row["d2h_copies"] == _uniform_copies(row, tensors=64)
         assert row["batches"] == row["swap_times"]
         # Two arenas of one balanced batch each: 2 x 64 x 4096 / k.
         staging = 2 * 64 * 4096 // row["swap_times"]
@@ -312,7 +320,7 @@ def test_sgd_rows_through_swap_generic_or_skipped_naming_it(tmp_path: Path) -> N
     for row in document["rows"]:
         # 64 fp32 matrices of 32 x 32: one 4 KiB momentum_buffer each, created by SGD's first step, then swapped.
         assert row["h2d_bytes"] == row["d2h_bytes"] == row["host_state_bytes"] == 64 * 4096
-        assert row["h2d_copies"] == row["d2h_copies"] == (row["swap_times"] if row["packed"] else 64)
+        assert row["h2d_copies"] == row["d2h_copies"] == _uniform_copies(row, tensors=64)
         assert row["batches"] == row["swap_times"]
     # Modeled over meta tensors, SGD's own step creates the same momentum buffers (swap-generic's probe of the
     # step runs on CPU stand-ins, since meta tensors hold no values to compare).

@@ -65,13 +65,14 @@ def test_llama_70b_at_world_8_with_master_weights_holds_the_hand_computed_bytes(
     assert row.host_state_bytes == row.host_pinned_bytes == 12 * params
     assert row.plain_state_device_bytes == 12 * params  # unswapped: masters and moments on the device
     assert row.h2d_bytes == row.d2h_bytes == 12 * params
-    assert row.batches == 4 and row.copies == 2 * 4  # one packed copy per batch and direction (one dtype)
+    # One dtype, balanced batches: each batch's copy is cut at the middle of its arena, 2 per batch and direction.
+    assert row.batches == 4 and row.copies == 2 * 2 * 4
     # Two staging arenas of at most the largest batch, which holds at least a quarter of the bytes.
     largest_state = 12 * -(-32000 // 8) * 8192  # the embedding (and head) shard's master and moments
     assert 2 * 12 * params // 4 <= row.device_peak_state_bytes <= 2 * (12 * params // 4 + largest_state)
     # The link cannot move the bytes faster than its bandwidth; the pipeline stays near its bound.
     one_way = 12 * params / (PCIE4.h2d_gbps * 1e9)
-    assert one_way < row.modeled_transfer_seconds <= 1.06 * row.bound_seconds
+    assert one_way < row.modeled_transfer_seconds <= 1.02 * row.bound_seconds  # issue 14's goal for a cold step
     assert row.modeled_step_seconds < row.modeled_transfer_seconds  # the last copy-out runs into the next forward
     assert row.link_utilization == pytest.approx(one_way / row.modeled_transfer_seconds)
     assert row.update_seconds > 0
@@ -88,7 +89,7 @@ def test_plain_fp32_adamw_without_masters_and_determinism() -> None:
     # The 65 RMSNorm shards (512 elements) have fewer than SwapConfig.min_numel (1024): resident.
     resident = (2 * 32 + 1) * 4096 // 8
     assert first.host_state_bytes == first.h2d_bytes == 8 * (params - resident)
-    assert first.copies == 16
+    assert first.copies == 2 * 2 * 8  # each of 8 batches: 2 copies (cut at the arena's middle) per direction
     assert plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie5", swap_times=8) == first
 
 

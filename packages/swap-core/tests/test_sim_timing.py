@@ -15,7 +15,7 @@ import torch
 
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.runtime import pipeline
-from swap_core.sim import LINK_PRESETS, LinkModel, SimBackend
+from swap_core.sim import LINK_PRESETS, LinkModel, MetaBackend, SimBackend
 
 pytestmark = pytest.mark.sim_only
 
@@ -134,9 +134,9 @@ def planted_wait() -> Iterator[None]:
     last: dict[int, object] = {}
 
     def offload_and_remember(self: pipeline.PipelineScheduler, batch: object, stats: object) -> object:
-        event = offload(self, batch, stats)  # type: ignore[arg-type]
-        last[id(self)] = event
-        return event
+        events = offload(self, batch, stats)  # type: ignore[arg-type]
+        last[id(self)] = events.done
+        return events
 
     def update_after_previous_offload(self: pipeline.PipelineScheduler, *args: object) -> None:
         if id(self) in last:
@@ -173,12 +173,13 @@ def test_a_planted_extra_wait_breaks_the_bound() -> None:
 
 
 def test_one_copy_stream_is_told_apart_from_two() -> None:
-    """Both directions on one stream serialize: 1.76x the duplex time at k = 16 here. (Issue 14 asks 1.8x: the
-    duplex pipeline still loses 4% at k = 16 to batch i + 1's copy-in waiting for batch i - 1's copy-out.)"""
+    """Both directions on one stream serialize: 1.87x the duplex time at k = 16 here (issue 14 asks 1.8x). Before
+    copies were cut at the arena's middle it was 1.76x: batch i + 1's copy-in waited for all of batch i - 1's
+    copy-out."""
     link = LinkModel.preset("pcie4")
     duplex = _adamw_step_times("lazy", duplex=True, swap_times=16, link=link)[1]
     one_stream = _adamw_step_times("lazy", duplex=False, swap_times=16, link=link)[1]
-    assert one_stream >= 1.7 * duplex, (one_stream, duplex)
+    assert one_stream >= 1.8 * duplex, (one_stream, duplex)
 
 
 def test_a_trace_on_the_virtual_clock_shows_copies_overlapping_updates() -> None:
@@ -243,3 +244,66 @@ def test_with_prefetch_and_no_end_wait_a_step_costs_the_loop_near_the_hidden_bou
     assert times is not None and times.compute < times.transfers, "the compute stream did not wait for the last offload"
     without_prefetch, _, _ = _warm_step_with_prefetch(link, prefetch=False)
     assert without_prefetch > 1.3 * bound, "without prefetch the first copy-in is on the step's path"
+
+
+def _meta_adamw_transfer_ratio(swap_times: int) -> float:
+    """A cold duplex step over 16 fp32 parameters of 16M elements (meta tensors) against the pipeline bound."""
+
+    def step(link: LinkModel) -> tuple[float, float, int]:
+        backend = MetaBackend(link)
+        params = [torch.nn.Parameter(torch.empty(1 << 24, device="meta")) for _ in range(16)]
+        for param in params:
+            param.grad = torch.empty_like(param)
+        config = SwapConfig(backend=backend, swap_times=swap_times)
+        optimizer = swap_optimizer(torch.optim.AdamW(params, lr=1e-3, foreach=True), config)
+        optimizer.step()
+        backend.synchronize()
+        optimizer.step()
+        stats = optimizer.stats
+        assert stats.modeled_step_seconds is not None and stats.modeled_transfer_seconds is not None
+        return stats.modeled_step_seconds, stats.modeled_transfer_seconds, stats.h2d_bytes
+
+    link = LinkModel.preset("pcie4")
+    _, transfer, swapped = step(link)
+    update_seconds = step(LinkModel(h2d_gbps=1e6, d2h_gbps=1e6, device_gbps=1555.0, device_tflops=312.0))[0]
+    bound = swapped / (link.h2d_gbps * 1e9) * (1 + 1 / swap_times) + update_seconds / swap_times
+    return transfer / bound
+
+
+@pytest.mark.parametrize("swap_times", [4, 8, 16])
+def test_a_cold_step_of_large_tensors_stays_at_the_bound_with_many_batches(swap_times: int) -> None:
+    """With 64 MiB tensors the update is 14% of a batch's copy; waiting for the whole copy-out of batch i - 1
+    before copying batch i + 1 into its arena cost 2.7% / 4.6% / 5.8% at k = 4 / 8 / 16. Cut at the arena's
+    middle, the copy-in overlaps the copy-out's second half: 1.000 x the bound at every k."""
+    assert _meta_adamw_transfer_ratio(swap_times) <= 1.005
+
+
+@pytest.fixture
+def whole_arena_after_first_half() -> Iterator[None]:
+    """A missing wait: the copy-in of batch i + 1 waits only for the first half of batch i - 1's copy-out."""
+    prefetch = pipeline.PipelineScheduler._prefetch
+
+    def prefetch_too_early(
+        self: pipeline.PipelineScheduler, batch: object, stats: object, *, packed: bool, reused: object = None
+    ) -> object:
+        if isinstance(reused, pipeline.Offloaded):
+            reused = pipeline.Offloaded(reused.front, reused.front)
+        return prefetch(self, batch, stats, packed=packed, reused=reused)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline.PipelineScheduler, "_prefetch", prefetch_too_early)
+        yield
+
+
+@pytest.mark.usefixtures("whole_arena_after_first_half")
+def test_the_race_checker_catches_a_second_half_copied_in_too_early() -> None:
+    sim = SimBackend(mode="lazy", seed=0, on_race="record")
+    params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(8)]
+    optimizer = swap_optimizer(torch.optim.AdamW(params), SwapConfig(backend=sim, swap_times=4))
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+    # The second half of an arena, written by a copy-in while the copy-out still reads it (and then the update
+    # reading what the copy-in wrote too early).
+    assert any("(copy d2h) and write by" in race and "(copy h2d) are not ordered" in race for race in sim.races)

@@ -4,6 +4,12 @@ Host side, every swapped state of a dtype lives in one persistent pinned buffer,
 laid out in batch order, so a batch is one contiguous range per dtype and moves
 with a single copy. Device side, two arenas alternate between batches: while
 batch ``i`` is updated in one, batch ``i + 1`` streams into the other.
+
+With more than two batches, batch ``i + 1`` reuses the arena batch ``i - 1`` is
+still being copied out of. Each copy is then cut where it crosses the middle of
+the arena (:func:`split_at_middle`): the copy-in of the first half only waits
+for the copy-out of the first half, which finished while the second half was
+still streaming out, so the copy-in stream does not idle for a whole update.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ __all__ = [
     "align_up",
     "arena_bytes",
     "arena_layout",
+    "split_at_middle",
 ]
 
 SLOT_ALIGN_BYTES = 64
@@ -100,6 +107,11 @@ class StagingArenas:
         return views
 
     @property
+    def middle(self) -> int:
+        """The byte offset that splits each arena in two halves (512-byte aligned)."""
+        return align_up(self.nbytes // 2, ARENA_ALIGN_BYTES)
+
+    @property
     def total_bytes(self) -> int:
         """Device bytes held while allocated."""
         return self.nbytes * len(self.arenas)
@@ -116,6 +128,32 @@ class StagingArenas:
             for arena in self.arenas:
                 self._backend.release_storage(arena, in_use_on=in_use_on)
             self.allocated = False
+
+
+Transfer = tuple[torch.Tensor, torch.Tensor]
+"""``(host, device)``: a host buffer range and the arena view it is copied to and from."""
+
+
+def split_at_middle(transfers: Sequence[Transfer], middle: int) -> tuple[list[Transfer], int]:
+    """``transfers`` cut where their arena view crosses byte ``middle``: the pieces below it first.
+
+    Returns the copies and how many of them lie below ``middle``. Arena views start at 512-byte aligned
+    offsets and ``middle`` is one, so every cut falls on an element boundary.
+    """
+    below: list[Transfer] = []
+    above: list[Transfer] = []
+    for host, device in transfers:
+        start = device.storage_offset() * device.element_size()
+        stop = start + device.numel() * device.element_size()
+        if stop <= middle:
+            below.append((host, device))
+        elif start >= middle:
+            above.append((host, device))
+        else:
+            cut = (middle - start) // device.element_size()
+            below.append((host[:cut], device[:cut]))
+            above.append((host[cut:], device[cut:]))
+    return below + above, len(below)
 
 
 def _layout(slots: Sequence[SwapSlot]) -> tuple[dict[SwapSlot, int], dict[torch.dtype, int]]:

@@ -15,9 +15,13 @@ the host during a step. After a step the last offload may still be running:
 mirrors, and the next step's prefetch stream waits for it on the device.
 
 Packed mode stages batches alternately in two arenas, so batch ``i + 1`` may
-only be prefetched once batch ``i - 1``'s offload finished reading the arena it
-reuses. Per-tensor mode restores each state's own storage one batch ahead and
-releases it once its offload is done.
+only be copied into the arena batch ``i - 1`` used once that batch's offload
+finished reading it: half by half (the copies are cut at the arena's middle),
+so that the copy-in of the first half overlaps the copy-out of the second.
+Waiting for the whole offload instead would idle the copy-in stream for half an
+update per batch (6% of a step at 16 batches on PCIe 4, on the virtual clock).
+Per-tensor mode restores each state's own storage one batch ahead and releases
+it once its offload is done.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -36,9 +41,16 @@ from ..trace import StepTrace, TraceInterval
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
 
-__all__ = ["PipelineScheduler", "UpdateFn"]
+__all__ = ["Offloaded", "PipelineScheduler", "UpdateFn"]
 
 UpdateFn = Callable[[PlannedBatch], None]
+
+
+class Offloaded(NamedTuple):
+    """Events of one batch's offload: its copies of the arena's first half done, and all of them done."""
+
+    front: Event
+    done: Event
 
 
 class PipelineScheduler:
@@ -94,7 +106,7 @@ class PipelineScheduler:
             plan.arenas.acquire()
         batches = plan.batches
         prefetched: list[Event] = []
-        offloaded: list[Event] = []
+        offloaded: list[Offloaded] = []
         # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
         resident_at = 1 if early is not None and len(batches) > 1 else 0
         with self._recover_on_error(plan):
@@ -106,15 +118,18 @@ class PipelineScheduler:
                 prefetched.append(self._prefetch(batches[0], stats, packed=packed))
             for index, batch in enumerate(batches):
                 if index + 1 < len(batches):
+                    reused: Offloaded | None = None
                     if index >= 1:
                         # Batch i + 1 takes the memory batch i - 1 used: its offload must be done with it.
-                        self._reclaim(batches[index - 1], offloaded[index - 1], packed=packed)
-                    prefetched.append(self._prefetch(batches[index + 1], stats, packed=packed))
+                        reused = offloaded[index - 1]
+                        if not packed:
+                            self._reclaim(batches[index - 1], reused.done)
+                    prefetched.append(self._prefetch(batches[index + 1], stats, packed=packed, reused=reused))
                 if index == resident_at and plan.resident is not None:
                     self._update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
                 self._update(batch, prefetched[index], update)
                 offloaded.append(self._offload(batch, stats))
-            self._last_offload = offloaded[-1]
+            self._last_offload = offloaded[-1].done
             # The last offloads still read their staging memory: it is freed stream-ordered behind them, so the
             # compute stream (the next forward) does not wait for them.
             if packed and not keep_staging:
@@ -146,7 +161,10 @@ class PipelineScheduler:
         self._finish_offloads()
 
     # -- the three moves ------------------------------------------------------
-    def _prefetch(self, batch: PlannedBatch, stats: SwapStats, *, packed: bool) -> Event:
+    def _prefetch(
+        self, batch: PlannedBatch, stats: SwapStats, *, packed: bool, reused: Offloaded | None = None
+    ) -> Event:
+        """Copy ``batch`` in; ``reused``: the offload of the batch whose arena it takes (packed mode)."""
         with _profiler_range("swap::prefetch"):
             if not packed:
                 for view in batch.device_views:
@@ -155,7 +173,10 @@ class PipelineScheduler:
             self._after_compute(self.h2d)
             started = self._mark(self.h2d)
             nbytes = 0
-            for host, device in batch.transfers:
+            for position, (host, device) in enumerate(batch.transfers):
+                if packed and reused is not None and position in (0, batch.front_transfers):
+                    # Each half of the arena once the offload read that half.
+                    self.backend.wait_event(self.h2d, reused.front if position < batch.front_transfers else reused.done)
                 self.backend.copy(device, host, stream=self.h2d)
                 nbytes += host.numel() * host.element_size()
             stats.h2d_copies += len(batch.transfers)
@@ -179,12 +200,15 @@ class PipelineScheduler:
             update(resident)
         self._span(resident, "update", started, self.compute, 0)
 
-    def _offload(self, batch: PlannedBatch, stats: SwapStats) -> Event:
+    def _offload(self, batch: PlannedBatch, stats: SwapStats) -> Offloaded:
         with _profiler_range("swap::offload"):
             self._after_compute(self.d2h)
             started = self._mark(self.d2h)
             nbytes = 0
-            for host, device in batch.transfers:
+            front: Event | None = None
+            for position, (host, device) in enumerate(batch.transfers):
+                if position == batch.front_transfers:
+                    front = self.backend.record_event(self.d2h)
                 self.backend.copy(host, device, stream=self.d2h)
                 nbytes += host.numel() * host.element_size()
             stats.d2h_copies += len(batch.transfers)
@@ -193,13 +217,11 @@ class PipelineScheduler:
             transition(batch.slots, SlotState.DEVICE, SlotState.D2H)
             self._offloaded.extend(batch.slots)
             self._span(batch, "d2h", started, self.d2h, nbytes)
-            return self.backend.record_event(self.d2h)
+            done = self.backend.record_event(self.d2h)
+            return Offloaded(front if front is not None else done, done)
 
-    def _reclaim(self, batch: PlannedBatch, offloaded: Event, *, packed: bool) -> None:
-        """Make memory used by ``batch`` reusable once its offload has read it."""
-        if packed:
-            self.backend.wait_event(self.h2d, offloaded)
-            return
+    def _reclaim(self, batch: PlannedBatch, offloaded: Event) -> None:
+        """Per-tensor mode: free the storages ``batch`` used once its offload has read them."""
         self.backend.wait_event(self.compute, offloaded)
         for view in batch.device_views:
             self.backend.release_storage(view)

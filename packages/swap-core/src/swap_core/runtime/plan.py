@@ -18,7 +18,7 @@ from ..backends.protocol import DeviceBackend
 from ..errors import SwapStateError
 from ..master_weights import is_fresh
 from .dtensor import wrap_local
-from .packed import PackedHost, StagingArenas, arena_bytes
+from .packed import PackedHost, StagingArenas, arena_bytes, split_at_middle
 from .partition import partition_consecutive
 from .slots import SwapSlot
 from .store import StateStore
@@ -43,7 +43,12 @@ class PlannedBatch:
     nbytes: int
     """Swapped state bytes of the batch (without packing padding)."""
     transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
-    """``(host, device)`` pairs copied in and out: one per dtype (packed) or one per slot."""
+    """``(host, device)`` pairs copied in and out: one per dtype (packed; two where a dtype's region crosses the
+    middle of the arena, with more than two batches) or one per slot."""
+    front_transfers: int = 0
+    """How many of ``transfers`` (the first ones) lie in the first half of the arena (packed, more than two
+    batches); ``len(transfers)`` otherwise. The copy-in of a batch waits for the copy-out of the batch two before
+    it half by half."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Each slot's local device tensor during the update (a staging-arena view when packed)."""
     segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None], GradientPositions]] = dataclasses.field(
@@ -133,6 +138,7 @@ def build_plan(
             batch.transfers = [
                 (slot.host_mirror, view) for slot, view in zip(batch.slots, batch.device_views, strict=True)
             ]
+            batch.front_transfers = len(batch.transfers)
     for batch in batches:
         pairs = zip(batch.slots, batch.device_views, strict=True)
         batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]
@@ -218,11 +224,12 @@ def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatc
     ]
     largest = max(arena_bytes(sizes) for sizes in region_bytes)
     arenas = StagingArenas(backend, largest, count=min(2, len(batches)))
+    # An arena is reused (by batch i + 1, while batch i - 1 is copied out of it) only with more than two batches.
+    middle = arenas.middle if len(batches) > 2 else arenas.nbytes
     for batch, batch_ranges, sizes in zip(batches, ranges, region_bytes, strict=True):
         regions = arenas.regions(batch.arena_index, sizes)
-        batch.transfers = [
-            (packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()
-        ]
+        whole = [(packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()]
+        batch.transfers, batch.front_transfers = split_at_middle(whole, middle)
         for slot in batch.slots:
             start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
             batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))

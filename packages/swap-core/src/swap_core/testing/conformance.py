@@ -37,7 +37,7 @@ from .pairs import (
     through_torch_save,
     wrap_case,
 )
-from .views import BatchView, PlannedState, planned_batches, simulator_of
+from .views import BatchView, planned_batches, simulator_of
 
 __all__ = [
     "SIM_MODES",
@@ -116,7 +116,7 @@ def check_accounting(case: ConformanceCase, backend: DeviceBackend, **overrides:
         backend.synchronize()
         stats = pair.swapped.stats
         peak = backend.max_memory_allocated() - before
-        expected_copies = sum(_copies_per_batch(batch.states, packed) for batch in batches)
+        expected_copies = _expected_copies(batches, packed)
         copies = sim.copy_stats
         assert copies.h2d_copies == copies.d2h_copies == expected_copies == stats.h2d_copies == stats.d2h_copies, (
             f"{case.name}: expected {expected_copies} copies each way, simulator saw {copies}, stats say {stats}"
@@ -270,8 +270,31 @@ def _layout_id(value: object) -> str:
     return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
-def _copies_per_batch(states: Sequence[PlannedState], packed: bool) -> int:
-    return len({state.dtype for state in states}) if packed else len(states)
+def _expected_copies(batches: Sequence[BatchView], packed: bool) -> int:
+    """Copies per direction: one per state per-tensor; packed, one per dtype region of a batch, two where a region
+    crosses the middle of the arena (cut there when an arena is reused, with more than two batches)."""
+    if not packed:
+        return sum(len(batch.states) for batch in batches)
+    regions = [_dtype_regions(batch) for batch in batches]
+    if len(batches) <= 2:
+        return sum(len(batch_regions) for batch_regions in regions)
+    arena = align_up(max(sum(align_up(n, ARENA_ALIGN_BYTES) for _, n in r) for r in regions), ARENA_ALIGN_BYTES)
+    middle = align_up(arena // 2, ARENA_ALIGN_BYTES)
+    copies = 0
+    for batch_regions in regions:
+        offset = 0
+        for _, nbytes in batch_regions:
+            copies += 2 if offset < middle < offset + nbytes else 1
+            offset += align_up(nbytes, ARENA_ALIGN_BYTES)
+    return copies
+
+
+def _dtype_regions(batch: BatchView) -> list[tuple[torch.dtype, int]]:
+    """A batch's dtype regions in arena order (by dtype name): each state 64-byte aligned after the previous one."""
+    ends: dict[torch.dtype, int] = {}
+    for state in batch.states:
+        ends[state.dtype] = align_up(ends.get(state.dtype, 0), SLOT_ALIGN_BYTES) + state.nbytes
+    return sorted(ends.items(), key=lambda item: str(item[0]))
 
 
 def _staging_bound(batches: Sequence[BatchView], packed: bool) -> int:
@@ -279,10 +302,7 @@ def _staging_bound(batches: Sequence[BatchView], packed: bool) -> int:
     arenas: list[int] = []
     sizes: list[int] = []
     for batch in batches:
-        by_dtype: dict[torch.dtype, int] = {}
-        for state in batch.states:
-            by_dtype[state.dtype] = by_dtype.get(state.dtype, 0) + align_up(state.nbytes, SLOT_ALIGN_BYTES)
-        arenas.append(sum(align_up(nbytes, ARENA_ALIGN_BYTES) for nbytes in by_dtype.values()))
+        arenas.append(sum(align_up(nbytes, ARENA_ALIGN_BYTES) for _, nbytes in _dtype_regions(batch)))
         sizes.append(sum(state.nbytes for state in batch.states))
     if packed:
         return min(2, len(batches)) * max(arenas, default=0)
