@@ -3,7 +3,10 @@
 Host side, every swapped state of a dtype lives in one persistent pinned buffer,
 laid out in batch order, so a batch is one contiguous range per dtype and moves
 with a single copy. Device side, two arenas alternate between batches: while
-batch ``i`` is updated in one, batch ``i + 1`` streams into the other.
+batch ``i`` is updated in one, batch ``i + 1`` streams into the other. Each arena
+is as large as the largest batch it stages (the even batches in one, the odd in
+the other), so uneven batches (a rank of distributed Muon owning one large matrix)
+do not pay for a second arena of the largest size.
 
 With more than two batches, batch ``i + 1`` reuses the arena batch ``i - 1`` is
 still being copied out of. Each copy is then cut where it crosses the middle of
@@ -83,16 +86,19 @@ class StagingArenas:
     """Two device buffers (one for a single batch) whose storage lives only during a step.
 
     Each batch lays its dtypes out in its arena at 512-byte aligned offsets, so an
-    arena is as large as the largest batch (all dtypes together), not the sum of
-    every dtype's largest batch. The arena tensors and every view into them are
-    created once; between steps only their storage is released, so a step creates
-    no Python views at all.
+    arena is as large as the largest batch it stages (all dtypes together), not the
+    sum of every dtype's largest batch. The arena tensors and every view into them
+    are created once; between steps only their storage is released, so a step
+    creates no Python views at all.
     """
 
-    def __init__(self, backend: DeviceBackend, nbytes: int, count: int) -> None:
+    def __init__(self, backend: DeviceBackend, sizes: Sequence[int]) -> None:
+        """``sizes``: the bytes of each arena (one or two)."""
+        if not 1 <= len(sizes) <= 2:
+            raise ValueError(f"Invalid staging arena count: {len(sizes)} (one or two)")
         self._backend = backend
-        self.nbytes = align_up(nbytes, ARENA_ALIGN_BYTES)
-        self.arenas = [backend.empty((self.nbytes,), torch.uint8) for _ in range(count)]
+        self.sizes = [align_up(nbytes, ARENA_ALIGN_BYTES) for nbytes in sizes]
+        self.arenas = [backend.empty((nbytes,), torch.uint8) for nbytes in self.sizes]
         # Allocated until the plan has cut its views (views cannot be taken of released storage).
         self.allocated = True
 
@@ -106,15 +112,14 @@ class StagingArenas:
             offset += align_up(nbytes, ARENA_ALIGN_BYTES)
         return views
 
-    @property
-    def middle(self) -> int:
-        """The byte offset that splits each arena in two halves (512-byte aligned)."""
-        return align_up(self.nbytes // 2, ARENA_ALIGN_BYTES)
+    def middle(self, index: int) -> int:
+        """The byte offset that splits arena ``index`` in two halves (512-byte aligned)."""
+        return align_up(self.sizes[index] // 2, ARENA_ALIGN_BYTES)
 
     @property
     def total_bytes(self) -> int:
         """Device bytes held while allocated."""
-        return self.nbytes * len(self.arenas)
+        return sum(self.sizes)
 
     def acquire(self) -> None:
         if not self.allocated:

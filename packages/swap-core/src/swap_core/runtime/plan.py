@@ -222,13 +222,18 @@ def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatc
         {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in batch_ranges.items()}
         for batch_ranges in ranges
     ]
-    largest = max(arena_bytes(sizes) for sizes in region_bytes)
-    arenas = StagingArenas(backend, largest, count=min(2, len(batches)))
+    # Arena j stages the batches of index parity j: each is as large as the largest of those.
+    arena_sizes = [0] * min(2, len(batches))
+    for batch, sizes in zip(batches, region_bytes, strict=True):
+        arena_sizes[batch.arena_index] = max(arena_sizes[batch.arena_index], arena_bytes(sizes))
+    arenas = StagingArenas(backend, arena_sizes)
     # An arena is reused (by batch i + 1, while batch i - 1 is copied out of it) only with more than two batches.
-    middle = arenas.middle if len(batches) > 2 else arenas.nbytes
+    reused = len(batches) > 2
     for batch, batch_ranges, sizes in zip(batches, ranges, region_bytes, strict=True):
-        regions = arenas.regions(batch.arena_index, sizes)
+        index = batch.arena_index
+        regions = arenas.regions(index, sizes)
         whole = [(packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()]
+        middle = arenas.middle(index) if reused else arenas.sizes[index]
         batch.transfers, batch.front_transfers = split_at_middle(whole, middle)
         for slot in batch.slots:
             start = packed.offsets[slot] - batch_ranges[slot.dtype][0]

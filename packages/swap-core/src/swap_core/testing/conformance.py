@@ -278,10 +278,10 @@ def _expected_copies(batches: Sequence[BatchView], packed: bool) -> int:
     regions = [_dtype_regions(batch) for batch in batches]
     if len(batches) <= 2:
         return sum(len(batch_regions) for batch_regions in regions)
-    arena = align_up(max(sum(align_up(n, ARENA_ALIGN_BYTES) for _, n in r) for r in regions), ARENA_ALIGN_BYTES)
-    middle = align_up(arena // 2, ARENA_ALIGN_BYTES)
+    arenas = _arena_sizes([sum(align_up(n, ARENA_ALIGN_BYTES) for _, n in r) for r in regions])
     copies = 0
-    for batch_regions in regions:
+    for index, batch_regions in enumerate(regions):
+        middle = align_up(arenas[index % 2] // 2, ARENA_ALIGN_BYTES)
         offset = 0
         for _, nbytes in batch_regions:
             copies += 2 if offset < middle < offset + nbytes else 1
@@ -305,8 +305,13 @@ def _staging_bound(batches: Sequence[BatchView], packed: bool) -> int:
         arenas.append(sum(align_up(nbytes, ARENA_ALIGN_BYTES) for _, nbytes in _dtype_regions(batch)))
         sizes.append(sum(state.nbytes for state in batch.states))
     if packed:
-        return min(2, len(batches)) * max(arenas, default=0)
+        return sum(_arena_sizes(arenas))
     return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+
+
+def _arena_sizes(batch_bytes: Sequence[int]) -> list[int]:
+    """The two staging arenas (one for one batch): each the largest of the batches it stages, even or odd."""
+    return [align_up(max(batch_bytes[parity::2]), ARENA_ALIGN_BYTES) for parity in range(min(2, len(batch_bytes)))]
 
 
 def _snapshot(optimizer: SwapOptimizer) -> dict[str, Any]:
