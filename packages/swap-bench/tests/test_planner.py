@@ -4,18 +4,21 @@ against the bounds they must respect (deterministic virtual-clock times, never w
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from swap_bench.cli import main
+from swap_bench.fake_world import fake_world
 from swap_bench.modeled import StepModel, model_step
 from swap_bench.models import MODELS, ModelShape, fsdp_shard_shape
 from swap_bench.planner import plan_model
 from swap_bench.report import SCHEMA
-from swap_bench.workloads import OPTIMIZERS
+from swap_bench.workloads import OPTIMIZERS, OptimizerSpec
 from swap_core.sim import LinkModel
 
 pytestmark = pytest.mark.sim_only
@@ -94,8 +97,8 @@ def test_plain_fp32_adamw_without_masters_and_determinism() -> None:
 
 
 def test_planner_refuses_what_it_does_not_model() -> None:
-    with pytest.raises(ValueError, match=r"Muon in one process only \(--world 1\)"):
-        plan_model(MODELS["llama-7b"], "muon", world=8, link="pcie4", swap_times=4)
+    with pytest.raises(ValueError, match=r"Invalid rank 8 of world 8"):
+        plan_model(MODELS["llama-7b"], "muon", world=8, link="pcie4", swap_times=4, rank=8)
     with pytest.raises(ValueError, match=r"Unknown link preset 'pcie9'"):
         plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie9", swap_times=4)
     with pytest.raises(ValueError, match=r"Unknown planner optimizer 'lbfgs'"):
@@ -156,3 +159,69 @@ def test_the_planner_models_the_foreach_kernels_torch_picks_on_cuda() -> None:
     single_tensor = model_step(StepModel(model.name, tensors, OPTIMIZERS["adamw"], "pcie4", 4, world=8))
     assert planned.host_state_bytes == single_tensor.host_state_bytes
     assert planned.update_seconds < single_tensor.update_seconds
+
+
+def _llama_1b_matrices() -> list[tuple[int, int]]:
+    """Llama 3.2 1B's 2-D parameters by hand: 2048 wide, 16 layers, MLP 8192, 8 key/value heads of 64, vocab
+    128256, embeddings tied to the head (one matrix)."""
+    layer = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
+    return [(128256, 2048), *(layer * 16)]
+
+
+def test_distributed_muon_owns_every_matrix_on_exactly_one_rank() -> None:
+    """Each rank swaps the whole momentum of the matrices it owns, and together the ranks own each matrix once."""
+    pytest.importorskip("swap_muon", reason="distributed Muon is swap-muon's")
+    from swap_muon.owner_plan import plan_owners
+
+    world = 4
+    matrices = _llama_1b_matrices()
+    rows = [plan_model(MODELS["llama-1b"], "muon", world=world, link="pcie4", swap_times=4, rank=r) for r in range(4)]
+    assert not dist.is_initialized()  # each row's fake process group is gone
+    plan = plan_owners(matrices, [torch.float32] * len(matrices), world)
+    for rank, row in enumerate(rows):
+        assert row.world == world and row.rank == rank and row.optimizer == "muon"
+        assert row.params == sum(-(-m // world) * n for m, n in matrices)  # every rank's shard of every matrix
+        owned = 4 * sum(math.prod(matrices[index]) for index in plan.owned_by(rank))  # fp32 momentum, whole
+        assert row.host_state_bytes == row.h2d_bytes == row.d2h_bytes == row.plain_state_device_bytes == owned
+    assert sum(row.host_state_bytes for row in rows) == 4 * sum(m * n for m, n in matrices)
+
+
+def test_distributed_muon_is_bound_by_newton_schulz_and_stays_at_the_pipeline_bound() -> None:
+    """Muon's update outlasts its copies on a 70B shard: the bound is then T_c + (S/B_down + S/B_up) / k."""
+    pytest.importorskip("swap_muon", reason="distributed Muon is swap-muon's")
+    row = plan_model(MODELS["llama-70b"], "muon", world=8, link="pcie4", swap_times=4, master_weights=True)
+    assert row.params == _llama_70b_rank0_numel(world=8) - 80 * 2 * 1024 - 1024  # no RMSNorm weights
+    copy_in = row.h2d_bytes / (PCIE4.h2d_gbps * 1e9)
+    copy_out = row.d2h_bytes / (PCIE4.d2h_gbps * 1e9)
+    assert row.update_seconds > max(copy_in, copy_out)  # Newton-Schulz on whole matrices at 312 TFLOPS
+    assert row.bound_seconds == pytest.approx(row.update_seconds + (copy_in + copy_out) / row.batches)
+    assert row.update_seconds < row.modeled_transfer_seconds <= 1.02 * row.bound_seconds
+
+
+def test_a_fake_world_is_torn_down_on_failure_and_refused_inside_a_process_group() -> None:
+    def failing_build(params: list[torch.nn.Parameter], **options: object) -> torch.optim.Optimizer:
+        raise RuntimeError("planted failure")
+
+    failing = OptimizerSpec("failing", failing_build)
+    model = StepModel("toy", [((8, 4), torch.float32)], failing, "pcie4", 1, world=2, rank=1, fsdp2=True)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        model_step(model)
+    assert not dist.is_initialized()
+    with fake_world(1, 0):
+        with pytest.raises(RuntimeError, match=r"torch\.distributed is already initialized"):
+            plan_model(MODELS["llama-1b"], "muon", world=2, link="pcie4", swap_times=2)
+        assert dist.get_world_size() == 1  # the caller's group is left alone
+    assert not dist.is_initialized()
+
+
+def test_plan_command_models_one_rank_of_distributed_muon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("swap_muon", reason="distributed Muon is swap-muon's")
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama-1b", "--optimizer", "muon", "--world", "2", "--rank", "1", "--swap-times", "2"]
+    assert main([*argv, "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["modeled_rows"]
+    assert (row["optimizer"], row["world"], row["rank"]) == ("muon", 2, 1)
+    assert "rank 1 of an FSDP2 shard" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-1b", "--world", "2", "--rank", "2"])
+    assert "--rank must be in [0, 2) for --world 2, got 2" in capsys.readouterr().err

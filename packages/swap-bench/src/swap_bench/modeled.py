@@ -6,20 +6,29 @@ the rank would hold on the device and in host memory, what it copies and how lon
 on the modeled link. The planner (``swap-bench plan``) feeds it one rank's FSDP2 shard of a model;
 the benchmark feeds it its workloads, next to their measured rows. Deterministic: the same numbers
 on every machine.
+
+With ``StepModel.fsdp2`` the parameters are FSDP2's DTensors, stepped as one rank of a fake process group
+(:mod:`~swap_bench.fake_world`): distributed Muon (swap-muon) plans its owner ranks and issues its
+``all_to_all`` collectives as on a real world, which complete at once and move nothing. The link model
+has no interconnect, so the modeled seconds leave the collectives' network time out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-from swap_core import SwapConfig, swap_optimizer
+from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.sim import LinkModel, MetaBackend
 
+from .fake_world import fake_world
 from .measure import optimizer_state_bytes
+from .models import fsdp_shard_shape
 from .workloads import OptimizerSpec
 
 __all__ = ["ModeledRow", "StepModel", "model_step"]
@@ -34,7 +43,7 @@ class StepModel:
     name: str
     """The workload or model the parameters come from."""
     tensors: TensorShapes
-    """``(shape, dtype)`` of every parameter this rank holds."""
+    """``(shape, dtype)`` of every parameter this rank holds (whole parameters with ``fsdp2``)."""
     optimizer: OptimizerSpec
     link: str
     """A :data:`~swap_core.sim.LINK_PRESETS` name."""
@@ -46,6 +55,9 @@ class StepModel:
     rank: int = 0
     optimizer_options: Mapping[str, object] = dataclasses.field(default_factory=dict)
     """Added to the optimizer's hyperparameters (unswapped and swapped alike), e.g. ``foreach=True``."""
+    fsdp2: bool = False
+    """Step ``tensors`` as FSDP2 parameters (DTensors, ``Shard(0)``) on rank ``rank`` of a fake process group of
+    ``world`` ranks, as distributed Muon needs; otherwise ``tensors`` are plain tensors, the rank's shards."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +74,11 @@ class ModeledRow:
     duplex: bool
     master_weights: bool
     params: int
-    """Parameters (elements) this rank's optimizer owns."""
+    """Parameters (elements) this rank holds: its shards of the optimizer's parameters."""
     plain_state_device_bytes: int
-    """Device bytes of the unswapped optimizer's states (and, with master weights, its fp32 masters)."""
+    """Device bytes of the unswapped optimizer's states (and, with master weights, its fp32 masters). With
+    ``fsdp2``: the same swapped optimizer with every state resident (``SwapConfig(offload_fraction=0.0)``), so
+    that distributed Muon keeps its owner layout (each owner holds the whole momentum of its matrices)."""
     device_peak_state_bytes: int
     """Peak device bytes of states and masters during the swapped step (staging and resident states)."""
     host_state_bytes: int
@@ -81,7 +95,10 @@ class ModeledRow:
     modeled_transfer_seconds: float
     """From ``step()`` until its last offload finished."""
     bound_seconds: float
-    """max(S/B_down, S/B_up) x (1 + 1/k) + T_c / k: the cold duplex pipeline's bound."""
+    """The cold duplex pipeline's bound for k balanced batches: one batch's copy-in, update and copy-out in turn
+    (a = S/(k B_down), c = T_c/k, o = S/(k B_up)), plus k - 1 times the slowest of them. That is
+    max(S/B_down, S/B_up) x (1 + 1/k) + T_c / k where the link is the bottleneck (both directions equally fast),
+    and T_c + (S/B_down + S/B_up) / k where the update is (e.g. Muon's Newton-Schulz)."""
     link_utilization: float
     """Busy time of the busier link direction over ``modeled_transfer_seconds``."""
 
@@ -92,23 +109,19 @@ class ModeledRow:
 def model_step(model: StepModel) -> ModeledRow:
     """Model ``model``'s second (steady) swapped step and its unswapped optimizer on meta tensors."""
     link = LinkModel.preset(model.link)
-    plain_state_bytes, update_seconds = _plain_optimizer(model, link)
-    backend = MetaBackend(link)
-    config = SwapConfig(
-        backend=backend,
-        swap_times=model.swap_times,
-        packed=model.packed,
-        duplex=model.duplex,
-        master_weights=model.master_weights,
-    )
-    params = _meta_params(model.tensors, model.optimizer)
-    swapped = swap_optimizer(model.optimizer.build(params, **model.optimizer_options), config)
-    swapped.step()  # creates the states and offloads them
-    backend.synchronize()  # the measured step starts with the device idle
-    swapped.step()
+    with _world(model) as mesh:
+        if mesh is None:
+            plain_state_bytes, update_seconds = _plain_optimizer(model, link)
+        else:
+            plain_state_bytes, update_seconds = _resident_optimizer(model, link, mesh)
+        backend = MetaBackend(link)
+        params = _meta_params(model.tensors, model.optimizer, mesh)
+        swapped = _steady_swapped_step(model, backend, params, offload_fraction=1.0)
+        held = sum(_local(param).numel() for param in params)
     stats = swapped.stats
     assert stats.modeled_step_seconds is not None and stats.modeled_transfer_seconds is not None
-    busiest = max(stats.h2d_bytes / (link.h2d_gbps * 1e9), stats.d2h_bytes / (link.d2h_gbps * 1e9))
+    copy_in, copy_out = stats.h2d_bytes / (link.h2d_gbps * 1e9), stats.d2h_bytes / (link.d2h_gbps * 1e9)
+    busiest = max(copy_in, copy_out)
     batches = max(stats.batches, 1)
     return ModeledRow(
         name=model.name,
@@ -120,7 +133,7 @@ def model_step(model: StepModel) -> ModeledRow:
         packed=model.packed,
         duplex=model.duplex,
         master_weights=model.master_weights,
-        params=sum(param.numel() for param in params),
+        params=held,
         plain_state_device_bytes=plain_state_bytes,
         device_peak_state_bytes=stats.peak_state_device_bytes,
         host_state_bytes=stats.host_state_bytes,
@@ -132,21 +145,96 @@ def model_step(model: StepModel) -> ModeledRow:
         update_seconds=update_seconds,
         modeled_step_seconds=stats.modeled_step_seconds,
         modeled_transfer_seconds=stats.modeled_transfer_seconds,
-        bound_seconds=busiest * (1 + 1 / batches) + update_seconds / batches,
+        bound_seconds=_pipeline_bound(copy_in, update_seconds, copy_out, batches),
         link_utilization=busiest / stats.modeled_transfer_seconds if stats.modeled_transfer_seconds > 0 else 0.0,
     )
 
 
-def _meta_params(tensors: TensorShapes, optimizer: OptimizerSpec) -> list[torch.nn.Parameter]:
-    """Meta parameters with meta gradients: the ones ``optimizer`` accepts, empty shards left out."""
+def _pipeline_bound(copy_in: float, update: float, copy_out: float, batches: int) -> float:
+    """The makespan of ``batches`` balanced three-stage batches whose stages together take these seconds."""
+    stages = (copy_in / batches, update / batches, copy_out / batches)
+    return sum(stages) + (batches - 1) * max(stages)
+
+
+@contextlib.contextmanager
+def _world(model: StepModel) -> Iterator[DeviceMesh | None]:
+    """The fake world ``model`` is stepped in (``fsdp2``), or ``None``: plain tensors need none."""
+    if not model.fsdp2:
+        yield None
+        return
+    with fake_world(model.world, model.rank) as mesh:
+        yield mesh
+
+
+def _steady_swapped_step(
+    model: StepModel, backend: MetaBackend, params: list[torch.nn.Parameter], *, offload_fraction: float
+) -> SwapOptimizer:
+    """The swapped optimizer over ``params`` after its second step, which began with the device idle."""
+    config = SwapConfig(
+        backend=backend,
+        swap_times=model.swap_times,
+        packed=model.packed,
+        duplex=model.duplex,
+        master_weights=model.master_weights,
+        offload_fraction=offload_fraction,
+    )
+    swapped = swap_optimizer(model.optimizer.build(params, **model.optimizer_options), config)
+    swapped.step()  # creates the states and offloads them
+    backend.synchronize()  # the measured step starts with the device idle
+    swapped.step()
+    return swapped
+
+
+def _meta_params(
+    tensors: TensorShapes, optimizer: OptimizerSpec, mesh: DeviceMesh | None = None
+) -> list[torch.nn.Parameter]:
+    """Meta parameters with meta gradients, the ones ``optimizer`` accepts: plain tensors without ``mesh`` (empty
+    shards left out), else FSDP2's DTensors over ``mesh`` (every rank holds every parameter, rows or not)."""
     params = []
     for shape, dtype in tensors:
-        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
-        if param.numel() == 0 or not optimizer.accepts(param):
+        whole = torch.empty(shape, dtype=dtype, device="meta")
+        if not optimizer.accepts(whole):
             continue
-        param.grad = torch.empty_like(param)
+        if mesh is None:
+            if whole.numel() == 0:
+                continue
+            param = torch.nn.Parameter(whole)
+            param.grad = torch.empty_like(param)
+        else:
+            param = torch.nn.Parameter(_fsdp2_shard(whole, mesh))
+            param.grad = _fsdp2_shard(whole, mesh)
         params.append(param)
     return params
+
+
+def _fsdp2_shard(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's ``Shard(0)`` block of ``whole`` as FSDP2 holds it: a DTensor with the global shape."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local_shape = fsdp_shard_shape(tuple(whole.shape), mesh.size(), mesh.get_local_rank())
+    local = torch.empty(local_shape, dtype=whole.dtype, device="meta")
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride())
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``param``: a DTensor's local block, or the tensor itself."""
+    to_local = getattr(param, "to_local", None)
+    return param if to_local is None else to_local()
+
+
+def _resident_optimizer(model: StepModel, link: LinkModel, mesh: DeviceMesh) -> tuple[int, float]:
+    """Device state bytes and modeled update time of the swapped optimizer with every state resident.
+
+    The reference of ``fsdp2`` rows: distributed Muon's owner layout (whole momentum on one rank per matrix)
+    has no unswapped torch counterpart, so the same optimizer without swapping stands in for it.
+    """
+    backend = MetaBackend(link)
+    resident = _steady_swapped_step(
+        model, backend, _meta_params(model.tensors, model.optimizer, mesh), offload_fraction=0.0
+    )
+    seconds = resident.stats.modeled_step_seconds
+    assert seconds is not None, "a MetaBackend with a link model times every step"
+    return resident.stats.resident_state_device_bytes, seconds
 
 
 def _plain_optimizer(model: StepModel, link: LinkModel) -> tuple[int, float]:

@@ -1,11 +1,16 @@
 """``swap-bench plan``: one rank's swapped step for a real model size, modeled over meta tensors.
 
 For each combination of the given models, world sizes, links and ``swap_times``, the planner builds
-rank 0's FSDP2 shard of the model (the largest shard: dim 0 of every parameter split in ``world``
-chunks, :func:`~swap_bench.models.fsdp_shard_shape`) as meta tensors, runs the real swap pipeline on
-:class:`~swap_core.sim.MetaBackend` and reports the bytes and copies (exact) and the virtual clock's
-seconds (modeled) of a cold step, next to the unswapped optimizer's device memory. Nothing is
-allocated: llama-70b at world 8 takes a few seconds per row on a 2-core machine.
+one rank's FSDP2 shard of the model (by default rank 0, whose shard is the largest: dim 0 of every
+parameter split in ``world`` chunks, :func:`~swap_bench.models.fsdp_shard_shape`) as meta tensors,
+runs the real swap pipeline on :class:`~swap_core.sim.MetaBackend` and reports the bytes and copies
+(exact) and the virtual clock's seconds (modeled) of a cold step, next to the unswapped optimizer's
+device memory. Nothing is allocated: llama-70b at world 8 takes a few seconds per row on a 2-core
+machine.
+
+Muon at ``world`` > 1 is swap-muon's distributed Muon: the parameters are FSDP2 DTensors on one rank
+of a fake process group (:mod:`~swap_bench.fake_world`), each matrix is owned whole by one rank,
+which alone keeps (and swaps) its momentum, so the ranks' state bytes differ (``--rank`` picks one).
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from .workloads import OPTIMIZERS
 __all__ = ["PLAN_OPTIMIZERS", "markdown_table", "plan_combinations", "plan_main", "plan_model"]
 
 PLAN_OPTIMIZERS = ("adamw", "rmsprop", "sgd", "adagrad", "nadam", "muon")
-"""Optimizers the planner models (``muon``: its 2-D parameters, one process; sgd, adagrad and nadam need
-swap-generic)."""
+"""Optimizers the planner models (``muon``: its 2-D parameters, distributed Muon from ``world`` 2 on, which
+needs swap-muon; sgd, adagrad and nadam need swap-generic)."""
 
 
 def plan_model(
@@ -49,19 +54,21 @@ def plan_model(
     """Model rank ``rank``'s step for ``model`` sharded over ``world`` ranks by FSDP2.
 
     Parameters are bf16 with ``master_weights`` (fp32 masters swapped with the states), fp32 otherwise.
-    The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own.
+    The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own;
+    Muon over more than one rank is distributed Muon, stepped on FSDP2 DTensors in a fake process group.
     """
     if optimizer not in PLAN_OPTIMIZERS:
         raise ValueError(f"Unknown planner optimizer {optimizer!r}; expected one of {PLAN_OPTIMIZERS}")
-    if optimizer == "muon" and world > 1:
-        raise ValueError(
-            "The planner models Muon in one process only (--world 1): distributed Muon gathers each matrix "
-            "on an owner rank, whose layout it does not model yet"
-        )
     if link not in LINK_PRESETS:
         raise ValueError(f"Unknown link preset {link!r}; expected one of {tuple(LINK_PRESETS)}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"Invalid rank {rank} of world {world}: expected 0 <= rank < world")
     dtype = torch.bfloat16 if master_weights else torch.float32
-    tensors = [(fsdp_shard_shape(shape, world, rank), dtype) for _, shape in model.parameter_shapes()]
+    distributed = optimizer == "muon" and world > 1
+    shapes = [shape for _, shape in model.parameter_shapes()]
+    if not distributed:
+        shapes = [fsdp_shard_shape(shape, world, rank) for shape in shapes]
+    tensors = [(shape, dtype) for shape in shapes]
     step = StepModel(
         model.name,
         tensors,
@@ -73,6 +80,7 @@ def plan_model(
         rank=rank,
         # torch's choice on a CUDA device; on meta tensors it would pick the single-tensor kernels.
         optimizer_options={} if optimizer == "muon" else {"foreach": True},
+        fsdp2=distributed,
     )
     return model_step(step)
 
@@ -86,6 +94,7 @@ def plan_combinations(
     swap_times: Sequence[int],
     master_weights: bool,
     console: Console,
+    rank: int = 0,
 ) -> tuple[list[ModeledRow], list[dict[str, str]]]:
     """Every combination, with a progress bar; a combination that cannot be modeled is a skipped row."""
     combinations = list(itertools.product(models, worlds, links, swap_times))
@@ -94,11 +103,19 @@ def plan_combinations(
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(combinations))
         for model, world, link, k in combinations:
-            label = f"{model.name} {optimizer} world={world} {link} k={k}"
+            label = f"{model.name} {optimizer} world={world} rank={rank} {link} k={k}"
             progress.update(task, description=label)
             try:
                 rows.append(
-                    plan_model(model, optimizer, world=world, link=link, swap_times=k, master_weights=master_weights)
+                    plan_model(
+                        model,
+                        optimizer,
+                        world=world,
+                        link=link,
+                        swap_times=k,
+                        master_weights=master_weights,
+                        rank=rank,
+                    )
                 )
             except (AdapterNotFoundError, UnsupportedOptimizerError) as error:
                 skipped.append({"row": label, "reason": str(error).splitlines()[0]})
@@ -117,6 +134,12 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--optimizer", default="adamw", choices=PLAN_OPTIMIZERS)
     parser.add_argument("--world", nargs="+", type=int, default=[8], help="FSDP2 ranks sharding the model")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="the rank modeled (default 0, the largest FSDP2 shard; distributed Muon's ranks own different matrices)",
+    )
     parser.add_argument("--link", nargs="+", default=["pcie4"], choices=list(LINK_PRESETS))
     parser.add_argument("--swap-times", nargs="+", type=int, default=[4], help="pipeline batches per step")
     parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
@@ -127,6 +150,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     for world in args.world:
         if world < 1:
             parser.error(f"--world must be >= 1, got {world}")
+        if not 0 <= args.rank < world:
+            parser.error(f"--rank must be in [0, {world}) for --world {world}, got {args.rank}")
     console = Console(width=None if Console().is_terminal else 200)
     started = time.perf_counter()
     rows, skipped = plan_combinations(
@@ -137,8 +162,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         swap_times=args.swap_times,
         master_weights=args.master_weights,
         console=console,
+        rank=args.rank,
     )
-    render_modeled_table(rows, console, title="swap-bench plan: rank 0 of an FSDP2 shard, cold step")
+    render_modeled_table(rows, console, title=f"swap-bench plan: rank {args.rank} of an FSDP2 shard, cold step")
     for row in skipped:
         console.print(f"[yellow]skipped[/] {row['row']}: {row['reason']}")
     document: dict[str, Any] = {
