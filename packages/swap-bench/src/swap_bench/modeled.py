@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -109,7 +109,10 @@ class ModeledRow:
 def model_step(model: StepModel) -> ModeledRow:
     """Model ``model``'s second (steady) swapped step and its unswapped optimizer on meta tensors."""
     link = LinkModel.preset(model.link)
-    with _world(model) as mesh:
+    world: contextlib.AbstractContextManager[DeviceMesh | None] = (
+        fake_world(model.world, model.rank) if model.fsdp2 else contextlib.nullcontext()
+    )
+    with world as mesh:  # plain tensors need no process group
         if mesh is None:
             plain_state_bytes, update_seconds = _plain_optimizer(model, link)
         else:
@@ -154,16 +157,6 @@ def _pipeline_bound(copy_in: float, update: float, copy_out: float, batches: int
     """The makespan of ``batches`` balanced three-stage batches whose stages together take these seconds."""
     stages = (copy_in / batches, update / batches, copy_out / batches)
     return sum(stages) + (batches - 1) * max(stages)
-
-
-@contextlib.contextmanager
-def _world(model: StepModel) -> Iterator[DeviceMesh | None]:
-    """The fake world ``model`` is stepped in (``fsdp2``), or ``None``: plain tensors need none."""
-    if not model.fsdp2:
-        yield None
-        return
-    with fake_world(model.world, model.rank) as mesh:
-        yield mesh
 
 
 def _steady_swapped_step(
