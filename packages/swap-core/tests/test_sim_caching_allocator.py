@@ -81,42 +81,81 @@ def test_reserved_stays_flat_over_swapped_adamw_steps_while_allocated_returns(ch
     assert optimizer.stats.peak_state_device_bytes == readings[0][1]
 
 
-def _pending_d2h(sim: SimBackend) -> tuple[torch.Tensor, torch.Tensor, Stream]:
+def _pending_d2h(sim: SimBackend, numel: int = 1024) -> tuple[torch.Tensor, torch.Tensor, Stream]:
     """A device tensor of 3.0s whose copy to host is queued on a copy stream (lazy: not run yet)."""
-    device = sim.empty((1024,), torch.float32)
+    device = sim.empty((numel,), torch.float32)
     with sim.compute_scope():
         device.fill_(3.0)
-    host = sim.empty_host(1024, torch.float32)
+    host = sim.empty_host(numel, torch.float32)
     d2h = sim.new_stream()
     sim.wait_event(d2h, sim.record_event(sim.compute_stream()))
     sim.copy(host, device, stream=d2h)
     return device, host, d2h
 
 
-def test_a_block_freed_in_use_on_a_stream_is_reused_only_after_that_stream_released_it() -> None:
+def test_a_block_still_in_use_on_a_stream_is_passed_by_without_blocking_the_host() -> None:
     sim = SimBackend(mode="lazy")
     device, host, d2h = _pending_d2h(sim)
     sim.release_storage(device, in_use_on=d2h)
-    assert sim.pending_ops() == 2, "the copy and the release are queued"
-    reused = sim.empty((16, 64), torch.float32)  # the same 4,096 bytes: the cached block
-    assert sim.memory_reserved() == 4096, "the block was reused, not new memory reserved"
-    assert sim.pending_ops() == 0, "the reuse is ordered after the stream's copy and release"
+    assert sim.pending_ops() == 2, "the copy and the release right behind it are queued"
+    fresh = sim.empty((16, 64), torch.float32)  # the same 4,096 bytes, but the block's copy has not run
+    assert sim.memory_reserved() == 8192, "new memory was reserved instead of waiting for the stream"
+    assert sim.pending_ops() == 2, "nothing was forced to run"
     with sim.compute_scope():
-        reused.fill_(5.0)
+        fresh.fill_(5.0)
     sim.synchronize()
-    assert torch.equal(host, torch.full((1024,), 3.0)), "the copy read its bytes before they were reused"
+    assert torch.equal(host, torch.full((1024,), 3.0)), "the copy read its own bytes"
+    del fresh
+    reused = sim.empty((1024,), torch.float32)  # the copy and the release have run: the oldest block is free
+    assert sim.memory_reserved() == 8192, "a block whose release completed is reused"
+    with sim.compute_scope():
+        reused.fill_(1.0)
     assert not sim.races, sim.races
 
 
-def test_reuse_of_a_stream_ordered_block_waits_for_the_stream_on_the_virtual_clock() -> None:
-    sim = SimBackend(mode="lazy", timing=LINK)
-    device, _, d2h = _pending_d2h(sim)
+def test_a_restore_while_its_own_release_is_pending_takes_new_bytes_and_the_copy_keeps_the_old() -> None:
+    sim = SimBackend(mode="lazy")
+    device, host, d2h = _pending_d2h(sim)
     sim.release_storage(device, in_use_on=d2h)
+    sim.restore_storage(device)
+    assert sim.memory_reserved() == 8192 and sim.memory_allocated() == 4096
+    with sim.compute_scope():
+        device.fill_(7.0)  # the next step writes its new bytes before the old copy ran
+    sim.synchronize()
+    assert torch.equal(host, torch.full((1024,), 3.0)), "the queued copy read the bytes it was issued for"
+    assert not sim.races, sim.races
+
+
+def test_a_block_is_reused_only_once_its_release_passed_on_the_virtual_clock() -> None:
+    sim = SimBackend(mode="lazy", timing=LINK)
+    device, _, d2h = _pending_d2h(sim, numel=2**20)  # 4 MiB over 10 GB/s: 419 us
+    sim.release_storage(device, in_use_on=d2h)
+    done = sim.record_event(d2h)
+    sim.wait_event(sim.compute_stream(), done)  # the queue runs, but the host has not seen the copy's end
     times = sim.modeled_times()
-    assert times is not None and times.transfers > times.compute, "the copy outlasts the compute stream's work"
-    sim.empty((1024,), torch.float32)
+    assert times is not None and times.host < times.transfers
+    sim.empty((2**20,), torch.float32)
+    assert sim.memory_reserved() == 2 * 2**22, "an event query at host time would still find the copy running"
+    sim.synchronize()
+    sim.empty((2**20,), torch.float32)
+    assert sim.memory_reserved() == 2 * 2**22, "once the host is past the release, the block is reused"
     after = sim.modeled_times()
-    assert after is not None and after.compute >= times.transfers, "the reuse starts after the copy's end"
+    assert after is not None and after.compute >= times.transfers
+
+
+def test_blocks_are_pooled_by_stream() -> None:
+    sim = SimBackend(mode="lazy")
+    side = sim.new_stream()
+    staging = sim.empty((1024,), torch.float32)
+    sim.release_storage(staging)
+    with sim.stream(side):
+        other = sim.empty((1024,), torch.float32)
+    assert sim.memory_reserved() == 8192, "the compute stream's cached block is not handed to another stream"
+    sim.release_storage(other)
+    with sim.stream(side):
+        again = sim.empty((1024,), torch.float32)
+    assert sim.memory_reserved() == 8192, "the side stream reuses its own block"
+    del again
 
 
 def test_a_fresh_block_does_not_wait_for_a_copy_stream() -> None:

@@ -673,7 +673,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
 
     def _replace_store(self, store: StateStore) -> None:
-        """A new store: nothing may keep the old one's host memory (or its states' device memory) alive."""
+        """A new store: nothing may keep the old one's host memory (or its states' device memory) alive.
+
+        The old host buffers are freed once nothing refers to them: the copies into them are waited for first
+        (freeing pinned memory a copy still writes would let the copy write into memory given to others).
+        """
+        if self._store is not None:
+            self.synchronize()
         self._store = store
         self._mirror_check = None
         self._plan = None
@@ -995,6 +1001,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             offload_fraction=0.0 if isinstance(self.backend, CpuBackend) else self.config.offload_fraction,
             packed=self.config.packed,
             copy_stream=self._scheduler.d2h,
+            await_offloads=self._scheduler.synchronize,
             host_memory=self.config.host_memory,
         )
 

@@ -238,8 +238,12 @@ class AcceleratorBackend:
 
     # -- streams and events --------------------------------------------------
     def compute_stream(self) -> Stream:
-        """The device's current stream, on which optimizer math is issued."""
+        """The calling thread's current stream on this device, on which optimizer math is issued."""
         return self._module.current_stream(self._device)
+
+    def stream(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
+        """``torch.<device>.stream(stream)``: ``stream`` is the current stream for the block."""
+        return cast("contextlib.AbstractContextManager[None]", self._module.stream(_device_stream(stream)))
 
     def new_stream(self) -> Stream:
         """A fresh stream on this device for copies."""
@@ -270,6 +274,10 @@ class AcceleratorBackend:
         self._module.synchronize(self._device)
 
     def compute_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Real devices need no per-op checking."""
+        return contextlib.nullcontext()
+
+    def host_scope(self) -> contextlib.AbstractContextManager[None]:
         """Real devices need no per-op checking."""
         return contextlib.nullcontext()
 

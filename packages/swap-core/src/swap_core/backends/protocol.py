@@ -8,16 +8,27 @@ a simulated accelerator over CPU memory that makes ordering bugs fail loudly.
 
 Semantics every backend follows (the CUDA stream model):
 
-* the *compute stream* is the stream on which optimizer math runs; work issued
-  on other streams runs asynchronously with respect to it and to the host;
+* each thread has a *current stream* (``compute_stream()``, changed for a block by
+  ``with backend.stream(s):``, as ``torch.cuda.stream`` does); compute ops and
+  allocations are issued to it. Work issued on other streams runs asynchronously
+  with respect to it and to the host;
 * ``copy`` enqueues a copy on a stream and returns immediately;
 * ``record_event``/``wait_event`` order streams; ``Event.synchronize`` and
   ``synchronize`` block the host;
-* memory returned by ``empty`` and ``restore_storage`` is associated with the
-  compute stream: another stream that writes it must first wait for an event
-  recorded on the compute stream after the allocation;
-* ``release_storage`` frees on the compute stream: the compute stream must first
-  wait for every other stream still using the memory.
+* memory returned by ``empty`` and ``restore_storage`` belongs to the stream that
+  was current when it was allocated: another stream that writes it must first wait
+  for an event recorded on that stream after the allocation;
+* ``release_storage`` frees on the stream the memory was allocated on, which may
+  reuse it at once: that stream must first wait for every other stream still using
+  the memory, or the release names such a stream (``in_use_on``, a caching
+  allocator's ``record_stream``). A freed block is handed to an allocation on its
+  own stream only, and only once every use recorded for it has completed; the
+  allocator never blocks the host to wait for one (it takes new memory instead);
+* the host reads and writes host buffers (``empty_host``) only after every copy
+  into or out of them that it has issued is complete (``Event.synchronize`` or
+  ``synchronize``): a copy still in flight reads or writes them behind its back.
+  Host code that touches host buffers runs inside ``host_scope()``, where the
+  simulator checks it.
 """
 
 from __future__ import annotations
@@ -125,7 +136,11 @@ class DeviceBackend(Protocol):
 
     # -- streams and events --------------------------------------------------
     def compute_stream(self) -> Stream:
-        """The stream on which optimizer math runs (the current stream)."""
+        """The calling thread's current stream: where compute ops and allocations are issued."""
+        ...
+
+    def stream(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
+        """Make ``stream`` the calling thread's current stream for the block (``torch.cuda.stream(stream)``)."""
         ...
 
     def new_stream(self) -> Stream:
@@ -154,4 +169,9 @@ class DeviceBackend(Protocol):
 
     def compute_scope(self) -> contextlib.AbstractContextManager[None]:
         """Context in which optimizer math runs; the simulator checks every op inside it."""
+        ...
+
+    def host_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which the host reads or writes host buffers; the simulator checks every op inside it
+        against the copies in flight (real backends: nothing)."""
         ...

@@ -5,12 +5,20 @@ stays resident, and owns the host memory of swapped states: one packed buffer
 per dtype in packed mode, one pinned buffer per state otherwise. Between steps
 ``optimizer.state[p][key]`` *is* the host mirror of a swapped state, so
 ``state_dict()`` exports it without copying and without touching the device.
+
+The host reads and writes host mirrors only once the copies into and out of them
+are done: every method that touches an existing mirror (a re-layout reads them
+all, a load writes them) first calls ``await_offloads`` (the pipeline's
+``synchronize``: after a step, its last offload may still be writing them), and
+runs its host work inside the backend's ``host_scope()``, where the simulator
+checks it. Adding states from the device (what a step's update created) touches
+no existing mirror and waits for nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,9 +51,12 @@ class StateStore:
         offload_fraction: float,
         packed: bool,
         copy_stream: Stream,
+        await_offloads: Callable[[], None],
         host_memory: HostMemoryMode = "exact",
     ) -> None:
+        """``await_offloads``: blocks the host until every copy into or out of the host mirrors has finished."""
         self._backend = backend
+        self._await_offloads = await_offloads
         self._host_memory: HostMemoryMode = host_memory
         self._tensor_pinned_bytes: dict[SwapSlot, int] = {}
         """Per-tensor mode: the pinned bytes of each slot's own host buffer."""
@@ -137,24 +148,28 @@ class StateStore:
         """
         if not new:
             return
+        relayout = self._packed and not unpacked
+        if relayout or any(self._on_host(source) for _, source in new):
+            self._await_offloads()  # host mirrors are read (a re-layout copies them; a source may be one)
         for slot, _ in new:
             self.slots.setdefault(slot.param, {})[slot.key] = slot
         # Device sources were written on the compute stream; the copy stream must see those writes.
         self._backend.wait_event(self._copy_stream, self._backend.record_event(self._backend.compute_stream()))
-        if self._packed and not unpacked:
-            self._tensor_pinned_bytes.clear()  # the re-layout packs every slot, those added unpacked too
-            self._relayout(order, dict((slot, source) for slot, source in new))
-        else:
-            self._check_host_capacity(sum(pinned_size(slot.nbytes, self._host_memory) for slot, _ in new))
-            for slot, source in new:
-                buffer = self._backend.empty_host(slot.numel, slot.dtype, mode=self._host_memory)
-                self._tensor_pinned_bytes[slot] = self._backend.pinned_bytes(buffer)
-                slot.host = slot.shaped(buffer)
-                slot.device = slot.shaped(self._backend.empty((slot.numel,), slot.dtype))
-                self._backend.release_storage(slot.device)
-                self._fill(slot.host, source)
-                self._publish(slot)
-        self._finish_fills()
+        with self._backend.host_scope():
+            if relayout:
+                self._tensor_pinned_bytes.clear()  # the re-layout packs every slot, those added unpacked too
+                self._relayout(order, dict((slot, source) for slot, source in new))
+            else:
+                self._check_host_capacity(sum(pinned_size(slot.nbytes, self._host_memory) for slot, _ in new))
+                for slot, source in new:
+                    buffer = self._backend.empty_host(slot.numel, slot.dtype, mode=self._host_memory)
+                    self._tensor_pinned_bytes[slot] = self._backend.pinned_bytes(buffer)
+                    slot.host = slot.shaped(buffer)
+                    slot.device = slot.shaped(self._backend.empty((slot.numel,), slot.dtype))
+                    self._backend.release_storage(slot.device)
+                    self._fill(slot.host, source)
+                    self._publish(slot)
+            self._finish_fills()
         transition((slot for slot, _ in new), SlotState.PENDING, SlotState.HOST)
         self.version += 1
 
@@ -178,19 +193,21 @@ class StateStore:
             if live is None or not _same_place(live, loaded):
                 return False
             pairs.append((live, source))
+        self._await_offloads()  # the live mirrors are written
         host_buffers = StorageSpans(live.host_mirror for live, _ in pairs)
         fills: list[tuple[SwapSlot, StateSource]] = []
-        for live, source in pairs:
-            if isinstance(source, torch.Tensor):
-                local = local_tensor(source)
-                if _is_view_of(local, live.host_mirror):
-                    continue
-                if local in host_buffers:
-                    source = local.clone()  # another state's mirror (a permuted state dict): read before any write
-            fills.append((live, source))
-        for live, source in fills:
-            self._fill(live.host_mirror, source)
-        self._finish_fills()
+        with self._backend.host_scope():
+            for live, source in pairs:
+                if isinstance(source, torch.Tensor):
+                    local = local_tensor(source)
+                    if _is_view_of(local, live.host_mirror):
+                        continue
+                    if local in host_buffers:
+                        source = local.clone()  # another state's mirror (a permuted state dict): read before any write
+                fills.append((live, source))
+            for live, source in fills:
+                self._fill(live.host_mirror, source)
+            self._finish_fills()
         for live, _ in pairs:
             state[live.param][live.key] = live.host_value
         return True
@@ -220,9 +237,11 @@ class StateStore:
         kept = set(order)
         self.remove([param for param in self.slots if param not in kept])
         if self._packed:
+            self._await_offloads()  # the re-layout reads every host mirror
             self._tensor_pinned_bytes.clear()
-            self._relayout(order, {})
-            self._finish_fills()
+            with self._backend.host_scope():
+                self._relayout(order, {})
+                self._finish_fills()
         self.version += 1
 
     def rekey(self, new_to_old: Mapping[torch.Tensor, torch.Tensor]) -> None:
@@ -257,6 +276,10 @@ class StateStore:
         """Make the slot's host mirror the value ``optimizer.state`` shows between steps."""
         slot.host_value = wrap_local(slot.host_mirror, slot.layout)
         self._state[slot.param][slot.key] = slot.host_value
+
+    def _on_host(self, source: StateSource) -> bool:
+        """Whether ``source`` is host memory (a host mirror, say) rather than a fill value or a device tensor."""
+        return isinstance(source, torch.Tensor) and not self._backend.owns(local_tensor(source))
 
     def _fill(self, host: torch.Tensor, source: StateSource) -> None:
         if isinstance(source, float):

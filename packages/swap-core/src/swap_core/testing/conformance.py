@@ -72,6 +72,10 @@ OPTION_VARIANTS: tuple[dict[str, Any], ...] = (
 
 OPTION_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("sync", 0), ("random", 1), ("random", 2))
 
+HABIT_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("random", 5))
+"""Schedules of the torch-habit checks: lazy (the last offload of a step is still queued when the user edits
+between steps, so a host access that does not wait for it reads stale values) and one random seed."""
+
 
 class InjectedUpdateFault(RuntimeError):
     """Raised by the conformance suite inside an adapter update to test recovery."""
@@ -248,8 +252,11 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
 
     @case_param
     @pytest.mark.parametrize("habit", list(HABIT_CHECKS))
-    def test_conformance_torch_habits(case: ConformanceCase, habit: str, swap_backend_factory: BackendFactory) -> None:
-        HABIT_CHECKS[habit](case, swap_backend_factory(mode="random", seed=5))
+    @pytest.mark.parametrize("mode,seed", HABIT_MODES, ids=[f"{m}{s}" for m, s in HABIT_MODES])
+    def test_conformance_torch_habits(
+        case: ConformanceCase, habit: str, mode: str, seed: int, swap_backend_factory: BackendFactory
+    ) -> None:
+        HABIT_CHECKS[habit](case, swap_backend_factory(mode=mode, seed=seed))
 
     return {
         "test_conformance_parity": test_conformance_parity,

@@ -48,6 +48,7 @@ __all__ = [
     "check_empty_optimizer",
     "check_hooks_and_schedulers_before_wrapping",
     "check_incomplete_checkpoints",
+    "check_late_first_gradient",
     "check_load_through_the_wrapped_optimizer",
     "check_second_wrapper",
     "check_state_resets",
@@ -75,6 +76,22 @@ def check_state_resets(case: ConformanceCase, backend: DeviceBackend) -> None:
         pair.assert_equal(f"{case.name}: right after the {name!r} reset")  # the checkpoint holds the live state
         pair.step_both(3)
         pair.assert_equal(f"{case.name}: 3 steps after the {name!r} reset")
+
+
+def check_late_first_gradient(case: ConformanceCase, backend: DeviceBackend) -> None:
+    """A parameter without a gradient in the first steps (frozen, then unfrozen; a branch used later) gets its
+    state at its first gradient, and the states of the others go on from where they were."""
+    pair = make_pair(case, backend)
+    params = pair.reference_params
+    late = max(range(len(params)), key=lambda index: (params[index].numel(), index))  # one whose states are swapped
+    for _ in range(2):
+        for params, optimizer in ((pair.reference_params, pair.reference), (pair.swapped_params, pair.swapped)):
+            set_grads(case, params, pair.steps_taken)
+            params[late].grad = None
+            optimizer.step()
+        pair.steps_taken += 1
+    pair.step_both(3)
+    pair.assert_equal(f"{case.name}: 3 steps after parameter {late} got its first gradient")
 
 
 def check_edited_param_groups(case: ConformanceCase, backend: DeviceBackend) -> None:
@@ -281,6 +298,7 @@ def check_bypassed_overrides(case: ConformanceCase, backend: DeviceBackend) -> N
 
 HABIT_CHECKS: dict[str, HabitCheck] = {
     "state_resets": check_state_resets,
+    "late_first_gradient": check_late_first_gradient,
     "edited_param_groups": check_edited_param_groups,
     "duplicate_params": check_duplicate_params,
     "empty_optimizer": check_empty_optimizer,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
@@ -45,7 +46,7 @@ from .memory import (
     storage_key,
     storage_too_small,
 )
-from .race_checker import COMPUTE_AGENT, AccessRequest, OnRace, RaceChecker
+from .race_checker import AccessRequest, OnRace, RaceChecker
 from .streams import QueuedCopy, QueuedRelease, QueuedWait, SimEvent, SimStream, StreamScheduler
 from .timing import LinkModel, ModeledTimes, TimedComputeMode, VirtualClock
 
@@ -150,8 +151,12 @@ class SimBackend:
         self._scheduler = StreamScheduler(self._execute_copy)
         self._sync = mode == "sync"
         self._rng = random.Random(seed) if mode == "random" else None
+        self._thread = threading.local()
+        """``stream``: the thread's current stream, when ``stream()`` set one (else the compute stream)."""
         self._op_checker = (
-            ComputeOpChecker(self._registry, self._race_checker, self._tick) if self._race_checker is not None else None
+            ComputeOpChecker(self._registry, self._race_checker, self._tick, self._issue_on_current, self._host_reads)
+            if self._race_checker is not None
+            else None
         )
         self._active_mode: ComputeCheckMode | None = None
         if timing is not None and not isinstance(timing, LinkModel):
@@ -204,7 +209,7 @@ class SimBackend:
             raise ValueError("Cannot adopt host memory from empty_host() as device memory")
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Poisoned device memory, written by the compute stream: a copy stream filling it must wait for that."""
+        """Poisoned device memory, written by the current stream: a copy stream filling it must wait for that."""
         self._tick()
         with self._untracked():
             tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
@@ -212,13 +217,13 @@ class SimBackend:
                 poison_storage(tensor)
         record = self._registry.register(tensor, MemoryKind.DEVICE)
         nbytes = tensor.untyped_storage().nbytes()
-        block = self._take_block(nbytes, record, storage_key(tensor), restoring=False)
+        stream = self._current_stream()
+        record.stream = stream
+        block = self._take_block(nbytes, record, storage_key(tensor), stream, restoring=False)
         self._registry.count(record, nbytes)
         self._note_reserved()
-        if block is None:
-            self._compute_writes_storage(tensor, nbytes, "empty (allocation)")
-        else:
-            self._compute_writes_storage(tensor, nbytes, "empty (reuses a cached block)")
+        op = "empty (allocation)" if block is None else "empty (reuses a cached block)"
+        self._stream_writes_storage(stream, tensor, nbytes, op)
         return tensor
 
     def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
@@ -276,17 +281,17 @@ class SimBackend:
         )
 
     def release_storage(self, tensor: torch.Tensor, *, in_use_on: Stream | None = None) -> None:
-        """Free the storage on the compute stream; the compute stream must have waited for copies still using it.
+        """Free the storage on the stream it was allocated on; that stream must have waited for copies still using it.
 
         A plain CPU tensor (an optimizer state created by torch) becomes tracked
         device memory here, so that a later use of it inside :meth:`compute_scope`
         raises :class:`~swap_core.errors.SimUseAfterFreeError` instead of crashing.
 
-        ``in_use_on`` (a copy stream): freed stream-ordered instead, as a caching allocator frees a block
+        ``in_use_on`` (another stream): freed stream-ordered instead, as a caching allocator frees a block
         with ``record_stream``. The bytes leave :meth:`memory_allocated` now; the storage is freed when
-        the stream's queue reaches the release (a copy still reading it runs first), and a later
-        allocation that reuses the block (:meth:`restore_storage`, :meth:`empty`) is ordered after that
-        point, as the allocator hands the block back only then.
+        the stream's queue reaches the release (a copy still reading it runs first), and the allocator
+        hands the block out again only once that release has completed (see
+        :mod:`~swap_core.backends.sim.caching_allocator`).
 
         Either way the block stays in the :mod:`~swap_core.backends.sim.caching_allocator` (counted by
         :meth:`memory_reserved`) unless ``caching_allocator=False``.
@@ -297,9 +302,8 @@ class SimBackend:
         nbytes = storage.nbytes()
         if nbytes == 0 or record.retained or record.pending_release is not None:
             return
-        stream = self._own_stream(in_use_on) if in_use_on is not None else self._scheduler.compute
-        if not stream.is_compute:
-            self._release_after(tensor, record, nbytes, stream)
+        if in_use_on is not None and self._own_stream(in_use_on) is not self._block_stream(record):
+            self._release_after(tensor, record, nbytes, self._own_stream(in_use_on))
             return
         self._free_storage(tensor, record, nbytes)
 
@@ -319,18 +323,25 @@ class SimBackend:
             clock.free_at(stream.name) if clock is not None else None,
         )
         if self._allocator is not None:
-            cached.append(self._allocator.free(storage_key(tensor), nbytes, release=op))
+            block_stream = self._block_stream(record).name
+            cached.append(self._allocator.free(storage_key(tensor), nbytes, block_stream, release=op))
         record.pending_release = op
         self._scheduler.enqueue(stream, op)
         if self._sync:
             self._scheduler.drain(stream)
 
     def _free_storage(self, tensor: torch.Tensor, record: StorageRecord, nbytes: int) -> None:
-        """Free a storage on the compute stream now: uncounted, its block cached (see :meth:`_unmap`)."""
-        self._compute_writes_storage(tensor, nbytes, "release_storage")
+        """Free a storage on its own stream now: uncounted, its block cached (see :meth:`_unmap`)."""
+        stream = self._block_stream(record)
+        self._stream_writes_storage(stream, tensor, nbytes, "release_storage")
         self._registry.uncount(record)
-        block = self._allocator.free(storage_key(tensor), nbytes) if self._allocator is not None else None
+        key = storage_key(tensor)
+        block = self._allocator.free(key, nbytes, stream.name) if self._allocator is not None else None
         self._unmap(tensor, record, block)
+
+    def _block_stream(self, record: StorageRecord) -> SimStream:
+        """The stream a device storage's bytes belong to (and are freed on)."""
+        return record.stream if record.stream is not None else self._scheduler.compute
 
     def _unmap(self, tensor: torch.Tensor, record: StorageRecord, block: CachedBlock | None) -> None:
         """Give the storage's bytes up: shrunk with checks on (a late access is caught), else kept mapped as its
@@ -349,16 +360,19 @@ class SimBackend:
         with self._untracked():
             tensor.untyped_storage().resize_(0)
 
-    def _take_block(self, nbytes: int, record: StorageRecord, key: int, *, restoring: bool) -> CachedBlock | None:
-        """A cached block for a new allocation of ``record``'s storage, ordered after the block's last free;
-        its history passes to the new user. ``None``: new memory is reserved."""
+    def _take_block(
+        self, nbytes: int, record: StorageRecord, key: int, stream: SimStream, *, restoring: bool
+    ) -> CachedBlock | None:
+        """A cached block of ``stream`` for a new allocation of ``record``'s storage, ordered after the block's last
+        free; its history passes to the new user. ``None``: new memory is reserved."""
         if self._allocator is None:
             return None
-        block = self._allocator.take(nbytes, key, restoring=restoring)
+        block = self._allocator.take(nbytes, key, stream.name, restoring=restoring, usable=self._released)
         if block is None:
             return None
-        if block.release is not None:
-            self._order_after(block.release)
+        release = block.release
+        if release is not None and self._race_checker is not None and release.snapshot is not None:
+            self._race_checker.host_waits(release.snapshot)  # the allocator saw the release complete
         owner = block.retained
         if owner is not None and owner is not record:  # another storage still maps the bytes: unmap them there
             assert block.storage is not None
@@ -369,18 +383,39 @@ class SimBackend:
         self._allocator.inherit_history(block, key)
         return block
 
-    def _order_after(self, release: QueuedRelease) -> None:
-        """The compute stream's next work is ordered after a stream-ordered release (its queue runs up to it)."""
-        self._scheduler.force(release.stream, release.position)
-        compute = self._scheduler.compute.name
-        if self._race_checker is not None and release.snapshot is not None:
-            self._race_checker.wait(compute, release.snapshot)
-        if self._clock is not None and release.modeled_at is not None:
-            self._clock.wait(compute, release.modeled_at)
+    def _released(self, block: CachedBlock) -> bool:
+        """Whether ``block``'s stream-ordered release has completed, as an event query sees it now: the queue ran
+        it, and on the virtual clock its time has passed on the host's. A block freed on its own stream is free."""
+        release = block.release
+        if release is None:
+            return True
+        if release.stream.completed < release.position:
+            return False
+        return self._clock is None or release.modeled_at is None or release.modeled_at <= self._clock.host
+
+    def _detach_pending_release(self, tensor: torch.Tensor, record: StorageRecord) -> None:
+        """A storage whose stream-ordered release is still queued is allocated again: it takes new bytes, and the
+        queued work keeps its old ones (a real allocator gives a new block; the old one is freed behind the work).
+
+        The queued copies that touch the storage are pointed at a copy of its bytes, and the queued release then
+        frees nothing of the storage.
+        """
+        pending = record.pending_release
+        assert pending is not None
+        pending.free = None
+        key = storage_key(tensor)
+        storage = tensor.untyped_storage()
+        with self._untracked():
+            old_bytes = torch.empty(storage.nbytes(), dtype=torch.uint8, device=self.device)
+            old_bytes.copy_(torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage))
+            self._scheduler.redirect(key, old_bytes.untyped_storage())
+            storage.resize_(0)
+        record.pending_release = None
 
     def restore_storage(self, tensor: torch.Tensor) -> None:
-        """Re-allocate a released storage (poisoned, counted, written by the compute stream): its own cached block
-        when the cache still holds it, else a cached block of its size whose storage is gone, else new memory."""
+        """Re-allocate a released storage (poisoned, counted, written by the current stream): its own cached block
+        when the cache still holds it and it is free on this stream, else a cached block of its size whose storage
+        is gone, else new memory."""
         self._tick()
         if not spans_whole_storage(tensor):
             raise ValueError(
@@ -400,11 +435,21 @@ class SimBackend:
                     f"restore_storage expects a storage released by release_storage; this one holds {held} bytes "
                     f"and the tensor needs {nbytes}"
                 )
-        record.pending_release = None
         key = storage_key(tensor)
-        block = self._take_block(nbytes, record, key, restoring=True)
-        if block is None and pending is not None:  # no cache: the bytes come back once the stream freed them
-            self._order_after(pending)
+        stream = self._current_stream()
+        own = self._allocator.bound_block(key) if self._allocator is not None else None
+        if own is None or own.stream != stream.name or not self._released(own):
+            # Its own bytes are not to be had now: new ones, the old ones stay with the work still using them.
+            if pending is not None and pending.stream.completed < pending.position:
+                self._detach_pending_release(tensor, record)
+            if own is not None:
+                self._allocator.unbind(own)  # type: ignore[union-attr]  # own comes from the allocator
+            if self._race_checker is not None:
+                self._race_checker.forget(key)  # new bytes; the old ones' history stays with their block
+            record.retained = False
+        record.pending_release = None
+        record.stream = stream
+        block = self._take_block(nbytes, record, key, stream, restoring=True)
         if record.retained:  # the cache gave the storage its own block back, still mapped
             record.retained = False
             if self.poison:
@@ -412,10 +457,11 @@ class SimBackend:
                     poison_storage(tensor)
         else:
             reused = block is not None and block.history_key != key
-            self._compute_writes_storage(
-                tensor, nbytes, "restore_storage (reuses a cached block)" if reused else "restore_storage"
-            )
+            op = "restore_storage (reuses a cached block)" if reused else "restore_storage"
+            self._stream_writes_storage(stream, tensor, nbytes, op)
             with self._untracked():
+                if storage.nbytes() != 0:  # the release ran with checks off: the bytes stayed mapped, now in use
+                    storage.resize_(0)
                 storage.resize_(nbytes)
                 if self.poison:
                     poison_storage(tensor)
@@ -462,8 +508,21 @@ class SimBackend:
 
     # -- streams and events --------------------------------------------------
     def compute_stream(self) -> Stream:
-        """The eager stream: its work runs as Python issues it."""
-        return self._scheduler.compute
+        """The calling thread's current stream: the eager compute stream unless :meth:`stream` set another."""
+        return self._current_stream()
+
+    @contextlib.contextmanager
+    def stream(self, stream: Stream) -> Iterator[None]:
+        """Make ``stream`` the calling thread's current stream for the block: compute ops inside ``compute_scope``
+        and allocations are then issued to it (a copy stream made current runs its queue up to each such op
+        first, so that its work stays in order)."""
+        sim_stream = self._own_stream(stream)
+        previous = getattr(self._thread, "stream", None)
+        self._thread.stream = sim_stream
+        try:
+            yield
+        finally:
+            self._thread.stream = previous
 
     def new_stream(self) -> Stream:
         """A copy stream: a queue that runs when forced (see ``mode``)."""
@@ -586,7 +645,15 @@ class SimBackend:
         """
         if self._op_checker is None and self._clock is None:
             return contextlib.nullcontext()
-        return self._checked_scope(self._op_checker)
+        return self._checked_scope(self._op_checker, timed=True)
+
+    def host_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Check every op inside as the host's access to host buffers (and the current stream's to device memory)
+        when ``check_races`` is on: a read or write of a host buffer that a copy still in flight writes or reads
+        is a race. Nothing is timed, and nothing queued is run: the ops see what the schedule has done so far."""
+        if self._op_checker is None:
+            return contextlib.nullcontext()
+        return self._checked_scope(self._op_checker, timed=False)
 
     def model_compute(self, seconds: float) -> None:
         """Put ``seconds`` of modeled work (a forward and backward) on the compute stream's virtual timeline."""
@@ -594,7 +661,7 @@ class SimBackend:
             raise ValueError("model_compute needs a virtual clock: SimBackend(timing=LinkModel(...))")
         if not seconds >= 0:
             raise ValueError(f"model_compute needs seconds >= 0, got {seconds!r}")
-        self._clock.issue(self._scheduler.compute.name, seconds)
+        self._clock.issue(self._current_stream().name, seconds)
 
     def modeled_times(self) -> ModeledTimes | None:
         """Where the virtual clock stands now, or ``None`` without ``timing``."""
@@ -602,7 +669,7 @@ class SimBackend:
         if clock is None:
             return None
         copies = [clock.free_at(stream.name) for stream in self._scheduler.copy_streams]
-        return ModeledTimes(clock.host, clock.free_at(self._scheduler.compute.name), max(copies, default=0.0))
+        return ModeledTimes(clock.host, clock.free_at(self._current_stream().name), max(copies, default=0.0))
 
     # -- simulator extras ------------------------------------------------------
     def fail_copy(self, at: int, direction: str | None = None) -> None:
@@ -673,11 +740,29 @@ class SimBackend:
             requests.append(AccessRequest(storage_key(tensor), record.kind.value, *byte_span(tensor), is_write))
         self._race_checker.access(stream.name, requests, f"copy {direction}")
 
-    def _compute_writes_storage(self, tensor: torch.Tensor, nbytes: int, op: str) -> None:
-        """Allocation and freeing are compute-stream writes of the whole storage."""
+    def _stream_writes_storage(self, stream: SimStream, tensor: torch.Tensor, nbytes: int, op: str) -> None:
+        """Allocation and freeing are writes of the whole storage by the stream the memory belongs to."""
         if self._race_checker is not None and nbytes > 0:
             request = AccessRequest(storage_key(tensor), MemoryKind.DEVICE.value, 0, nbytes, True)
-            self._race_checker.access(COMPUTE_AGENT, [request], op)
+            self._race_checker.access(stream.name, [request], op)
+
+    def _current_stream(self) -> SimStream:
+        stream: SimStream | None = getattr(self._thread, "stream", None)
+        return stream if stream is not None else self._scheduler.compute
+
+    def _issue_on_current(self) -> str:
+        """A compute op is about to run on the current stream: a copy stream's queued work runs first (in order)."""
+        stream = self._current_stream()
+        if stream.queue:
+            self._scheduler.drain(stream)
+        return stream.name
+
+    def _host_reads(self, stream_name: str) -> None:
+        """The host read a value of device memory (``.item()``): it waited for ``stream_name``'s work so far."""
+        assert self._race_checker is not None
+        self._race_checker.host_waits_for(stream_name)
+        if self._clock is not None:
+            self._clock.host_waits(self._clock.free_at(stream_name))
 
     def _device_record(self, tensor: torch.Tensor, what: str) -> StorageRecord:
         if tensor.device != self.device:
@@ -696,9 +781,9 @@ class SimBackend:
             self._allocator.note_reserved(self._registry.allocated_bytes)
 
     def _storage_collected(self, key: int, record: StorageRecord) -> None:
-        """A device tensor was garbage collected: its block (if it still held one) goes to the cache."""
+        """A device tensor was garbage collected: its block (if it still held one) goes to its stream's cache."""
         assert self._allocator is not None
-        self._allocator.storage_collected(key, record.counted_bytes)
+        self._allocator.storage_collected(key, record.counted_bytes, self._block_stream(record).name)
 
     def _forget_history(self, key: int) -> None:
         if self._race_checker is not None:
@@ -726,16 +811,17 @@ class SimBackend:
         raise ValueError(f"{event!r} is not an event of this SimBackend")
 
     @contextlib.contextmanager
-    def _checked_scope(self, checker: ComputeOpChecker | None) -> Iterator[None]:
+    def _checked_scope(self, checker: ComputeOpChecker | None, *, timed: bool) -> Iterator[None]:
         if self._active_mode is not None or self._timed_mode is not None:
             yield
             return
         check = ComputeCheckMode(checker) if checker is not None else None
-        timed = TimedComputeMode(self._clock, self._scheduler.compute.name) if self._clock is not None else None
-        self._active_mode, self._timed_mode = check, timed
+        clock = self._clock if timed else None
+        timed_mode = TimedComputeMode(clock, lambda: self._current_stream().name) if clock is not None else None
+        self._active_mode, self._timed_mode = check, timed_mode
         try:
             with contextlib.ExitStack() as modes:
-                for mode in (timed, check):  # the checks innermost: an op they refuse takes no time
+                for mode in (timed_mode, check):  # the checks innermost: an op they refuse takes no time
                     if mode is not None:
                         modes.enter_context(mode)
                 yield

@@ -11,15 +11,19 @@ The contract (what :class:`~swap_core.backends.sim.SimBackend` promises and the 
   drops the cached ones.
   (A real allocator rounds to 512 bytes and carves small blocks out of 2 MiB segments: its reserved figure
   is at least the simulator's.)
-* **Stream ordering (record_stream).** A block freed on the compute stream can be reused by the next
-  allocation at once: both are issued in the compute stream's order. A block freed with
-  ``release_storage(t, in_use_on=stream)`` is in use by the work already issued to ``stream``; it is handed
-  out again only *after* that work: the allocation that reuses it is ordered after the stream's release
-  (the queue is run up to it, the compute stream joins its race-checker clock, and with a virtual clock
-  the compute stream waits for its time). CUDA's allocator records an event on each stream of
-  ``record_stream`` and reuses the block once those events have completed; the simulator orders the reuse
-  after the release instead of skipping the block, so the same blocks are reused in every mode and the
-  figures do not depend on the schedule.
+* **Streams.** A block belongs to the stream that was current when it was allocated, and goes back to that
+  stream's pool when freed: an allocation takes cached blocks of its own stream only (another stream's
+  cached blocks are never handed to it; memory is reserved instead), as CUDA's and the NPU's allocators do.
+* **Stream ordering (record_stream), without blocking the host.** A block freed on its stream can be reused
+  by the next allocation on that stream at once: both are issued in that stream's order. A block freed
+  with ``release_storage(t, in_use_on=stream)`` is in use by the work already issued to ``stream``; it is
+  handed out again only once that work has *completed, as an event query sees it*: the stream-ordered
+  release has run (lazy and random schedules run it only when something forces the stream), and with a
+  virtual clock its modeled time has passed on the host's clock. Until then an allocation passes it by
+  and new memory is reserved (``memory_reserved()`` grows); the allocator never blocks the host or forces
+  a stream. CUDA's allocator does the same: it polls the events of ``record_stream`` and takes a new block
+  while they are pending. A restore of a storage whose own release is still pending takes new memory too;
+  the pending copies keep reading the old bytes.
 * **Premature reuse.** A block freed on the compute stream while another stream may still touch it (a
   missing wait, or a missing ``in_use_on``) is a bug: the reuse is an allocation write of the whole block,
   checked by the race checker against the block's history (every access its earlier users issued), so the
@@ -50,6 +54,8 @@ class CachedBlock:
     """A freed block in the cache."""
 
     nbytes: int
+    stream: str
+    """The stream the block was allocated on: only allocations on that stream take it."""
     block_id: int
     """Where the race checker keeps the block's history once its storage is gone (negative: never an address)."""
     history_key: int
@@ -72,10 +78,10 @@ class CachingAllocator:
     """
 
     def __init__(self, copy_history: Callable[[int, int], None] | None) -> None:
-        self._unbound: dict[int, dict[int, CachedBlock]] = {}
-        """Cached blocks whose storage is gone, by size, oldest first: what a new allocation takes first."""
-        self._bound: dict[int, dict[int, CachedBlock]] = {}
-        """Cached blocks whose storage (a released tensor's) is alive, by size, oldest first."""
+        self._unbound: dict[_Pool, dict[int, CachedBlock]] = {}
+        """Cached blocks whose storage is gone, by stream and size, oldest first: what a new allocation takes first."""
+        self._bound: dict[_Pool, dict[int, CachedBlock]] = {}
+        """Cached blocks whose storage (a released tensor's) is alive, by stream and size, oldest first."""
         self._by_storage: dict[int, CachedBlock] = {}
         """The bound blocks by storage key: a restore of that storage takes its own block back."""
         self._copy_history = copy_history
@@ -84,44 +90,59 @@ class CachingAllocator:
         """Bytes of the blocks in the cache (freed, stream-ordered frees still pending included)."""
         self.peak_reserved_bytes = 0
 
-    def free(self, storage_key: int, nbytes: int, *, release: QueuedRelease | None = None) -> CachedBlock:
-        """A live storage's block goes back to the cache (``release``: behind that stream's work)."""
-        block = CachedBlock(nbytes, -next(self._ids), storage_key, release)
-        self._bound.setdefault(nbytes, {})[block.block_id] = block
+    def free(self, storage_key: int, nbytes: int, stream: str, *, release: QueuedRelease | None = None) -> CachedBlock:
+        """A live storage's block goes back to ``stream``'s pool (``release``: behind that stream-ordered free)."""
+        block = CachedBlock(nbytes, stream, -next(self._ids), storage_key, release)
+        self._bound.setdefault((stream, nbytes), {})[block.block_id] = block
         self._by_storage[storage_key] = block
         self.cached_bytes += nbytes
         return block
 
-    def storage_collected(self, storage_key: int, counted_bytes: int) -> None:
+    def storage_collected(self, storage_key: int, counted_bytes: int, stream: str) -> None:
         """A storage was garbage collected: its history moves to its block; a live allocation's block is freed."""
-        block = self._by_storage.pop(storage_key, None)
+        block = self._by_storage.get(storage_key)
         if block is not None:
-            del self._bound[block.nbytes][block.block_id]
-            self._unbind(block)
+            self.unbind(block)
         if counted_bytes > 0:
             self.cached_bytes += counted_bytes
-            self._unbind(CachedBlock(counted_bytes, -next(self._ids), storage_key))
+            self._add_unbound(CachedBlock(counted_bytes, stream, -next(self._ids), storage_key))
 
-    def take(self, nbytes: int, storage_key: int, *, restoring: bool) -> CachedBlock | None:
-        """A cached block of ``nbytes`` for an allocation into the storage ``storage_key``, or ``None`` (new memory
-        is reserved): the storage's own block first, else the oldest block whose storage is gone, else (not when
-        ``restoring``) the oldest block of a released storage that is still alive.
+    def bound_block(self, storage_key: int) -> CachedBlock | None:
+        """The cached block a live released storage still owns (its own block to restore into), if any."""
+        return self._by_storage.get(storage_key)
+
+    def unbind(self, block: CachedBlock) -> None:
+        """``block``'s storage no longer maps it (collected, or given new memory while the block's release is
+        pending): the block stays cached on its own, its history under its own id."""
+        if self._by_storage.get(block.history_key) is block:
+            del self._by_storage[block.history_key]
+        del self._bound[(block.stream, block.nbytes)][block.block_id]
+        self._add_unbound(block)
+
+    def take(
+        self, nbytes: int, storage_key: int, stream: str, *, restoring: bool, usable: Callable[[CachedBlock], bool]
+    ) -> CachedBlock | None:
+        """A cached block of ``nbytes`` on ``stream`` for an allocation into the storage ``storage_key``, or ``None``
+        (new memory is reserved): the storage's own block first, else the oldest block whose storage is gone,
+        else (not when ``restoring``) the oldest block of a released storage that is still alive. A block that is
+        not ``usable`` (its stream-ordered release has not completed) is passed by.
 
         A restore does not take another released storage's block: that one would then take a third's on its
         own restore, and so on every step. Swap's flows restore the storages they released, so they always
         find their own blocks.
         """
+        pool = (stream, nbytes)
         block = self._by_storage.get(storage_key)
-        if block is None or block.nbytes != nbytes:
-            block = _oldest(self._unbound.get(nbytes))
+        if block is None or block.nbytes != nbytes or block.stream != stream or not usable(block):
+            block = _oldest(self._unbound.get(pool), usable)
             if block is None and not restoring:
-                block = _oldest(self._bound.get(nbytes))
+                block = _oldest(self._bound.get(pool), usable)
             if block is None:
                 return None
         if self._by_storage.get(block.history_key) is block:
             del self._by_storage[block.history_key]
-        for pool in (self._bound, self._unbound):
-            pool.get(nbytes, {}).pop(block.block_id, None)
+        for pools in (self._bound, self._unbound):
+            pools.get(pool, {}).pop(block.block_id, None)
         block.in_cache = False
         self.cached_bytes -= nbytes
         return block
@@ -151,15 +172,22 @@ class CachingAllocator:
     def reset_peak(self, allocated_bytes: int) -> None:
         self.peak_reserved_bytes = allocated_bytes + self.cached_bytes
 
-    def _unbind(self, block: CachedBlock) -> None:
+    def _add_unbound(self, block: CachedBlock) -> None:
         """The block's storage is gone: its history stays under the block's own id, its bytes are unmapped."""
         if self._copy_history is not None:
             self._copy_history(block.history_key, block.block_id)
         block.history_key = block.block_id
         block.retained = None
         block.storage = None
-        self._unbound.setdefault(block.nbytes, {})[block.block_id] = block
+        self._unbound.setdefault((block.stream, block.nbytes), {})[block.block_id] = block
 
 
-def _oldest(blocks: dict[int, CachedBlock] | None) -> CachedBlock | None:
-    return next(iter(blocks.values()), None) if blocks else None
+_Pool = tuple[str, int]
+"""A pool of cached blocks: the stream they belong to and their size."""
+
+
+def _oldest(blocks: dict[int, CachedBlock] | None, usable: Callable[[CachedBlock], bool]) -> CachedBlock | None:
+    """The oldest usable block (blocks whose release is pending are few: the last ones a step released)."""
+    if not blocks:
+        return None
+    return next((block for block in blocks.values() if usable(block)), None)

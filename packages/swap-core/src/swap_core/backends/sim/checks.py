@@ -9,10 +9,10 @@ For every op that can touch data, the checker looks up each tensor argument's
 storage: a registered device storage whose bytes were released raises
 :class:`~swap_core.errors.SimUseAfterFreeError` *before* the kernel could segfault;
 host memory and device memory in one op raise
-:class:`~swap_core.errors.SimMixedDeviceError`; the op is then recorded as a
-compute-stream access (it touches device memory) or a host access (host memory
-only). Tensors the simulator never registered (step counters, scalars) are
-neutral and untracked.
+:class:`~swap_core.errors.SimMixedDeviceError`; the op is then recorded as an
+access of the thread's current stream (it touches device memory) or of the host
+(host memory only). Tensors the simulator never registered (step counters,
+scalars) are neutral and untracked.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from swap_core.torch_compat import OpOverload, op_schema, storage_id
 
 from .memory import MemoryKind, MemoryRegistry, StorageRecord, byte_span
 from .op_modes import ProgramOpMode
-from .race_checker import COMPUTE_AGENT, HOST_AGENT, AccessRequest, RaceChecker
+from .race_checker import HOST_AGENT, AccessRequest, RaceChecker
 
 __all__ = ["ComputeCheckMode", "ComputeOpChecker", "OpAccessPattern", "op_access_pattern"]
 
@@ -123,10 +123,21 @@ def _tensors_in(value: object, is_write: bool) -> Iterator[tuple[torch.Tensor, b
 class ComputeOpChecker:
     """The checks of one backend, shared by every compute scope it opens."""
 
-    def __init__(self, registry: MemoryRegistry, races: RaceChecker, tick: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        registry: MemoryRegistry,
+        races: RaceChecker,
+        tick: Callable[[], None],
+        issue_on_current: Callable[[], str],
+        host_waits_for: Callable[[str], None],
+    ) -> None:
+        """``issue_on_current()``: the agent of the thread's current stream, an op of which is about to run;
+        ``host_waits_for(agent)``: the host blocked until that stream's work so far completed."""
         self._registry = registry
         self._races = races
         self._tick = tick
+        self._issue_on_current = issue_on_current
+        self._host_waits_for = host_waits_for
 
     def before(self, pattern: OpAccessPattern, args: Sequence[object], kwargs: Mapping[str, object]) -> str | None:
         """Check one op before it runs; returns the agent it was recorded on, if any."""
@@ -160,18 +171,18 @@ class ComputeOpChecker:
             )
         if not requests:
             return None
-        agent = COMPUTE_AGENT if device_example is not None else HOST_AGENT
+        agent = self._issue_on_current() if device_example is not None else HOST_AGENT
         self._races.access(agent, requests, pattern.name)
         return agent
 
     def after(self, pattern: OpAccessPattern, agent: str | None) -> None:
-        """An op that hands a Python value of device memory back (``.item()``) made the host wait for compute.
+        """An op that hands a Python value of device memory back (``.item()``) made the host wait for its stream.
 
         Only tracked device memory counts: a plain tensor may be a CPU step
         counter, whose ``.item()`` synchronizes nothing on a real device.
         """
-        if agent == COMPUTE_AGENT and pattern.returns_host_value:
-            self._races.host_waits_for(COMPUTE_AGENT)
+        if agent is not None and agent != HOST_AGENT and pattern.returns_host_value:
+            self._host_waits_for(agent)
 
 
 def _describe(tensor: torch.Tensor) -> str:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .streams import QueuedRelease
+    from .streams import QueuedRelease, SimStream
 
 from ...torch_compat import storage_id
 
@@ -60,7 +60,10 @@ class StorageRecord:
     retained: bool = False
     """Released with checks off: uncounted, its bytes still mapped as a cached block (see ``caching_allocator``)."""
     pending_release: QueuedRelease | None = None
-    """Released stream-ordered (``in_use_on``) and not restored since: where ``restore_storage`` is ordered after."""
+    """Released stream-ordered (``in_use_on``) and not restored since: the queued free of its bytes."""
+    stream: SimStream | None = None
+    """The stream that was current when its bytes were allocated (``empty``, ``restore_storage``); ``None`` for
+    adopted and plain tensors (the default compute stream's)."""
     pinned_bytes: int = 0
     """Host bytes a real pinned buffer of this size would hold (rounding included); 0 for device or pageable."""
     finalizer: weakref.finalize[[int, StorageRecord], torch.Tensor] | None = field(default=None, repr=False)

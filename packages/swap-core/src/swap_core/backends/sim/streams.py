@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from ...torch_compat import storage_id
 from .race_checker import VectorClock
 
 __all__ = ["EventOwner", "QueuedCopy", "QueuedRelease", "QueuedWait", "SimEvent", "SimStream", "StreamScheduler"]
@@ -150,6 +151,14 @@ class SimEvent:
         return f"SimEvent({self.stream.name!r}, position={self.position}, done={self.done})"
 
 
+def _moved(tensor: torch.Tensor, key: int, storage: torch.UntypedStorage) -> torch.Tensor:
+    """``tensor``, or the same view of ``storage`` when ``tensor`` lives in the storage ``key``."""
+    if storage_id(tensor.untyped_storage()) != key:
+        return tensor
+    moved = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return moved.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
 class StreamScheduler:
     """Owns the streams and runs queued work in FIFO order when forced.
 
@@ -170,10 +179,18 @@ class StreamScheduler:
     def enqueue(self, stream: SimStream, op: QueuedCopy | QueuedWait | QueuedRelease) -> None:
         stream.queue.append(op)
         stream.enqueued += 1
+        self._run_releases(stream)
 
     def force(self, stream: SimStream, position: int) -> None:
-        """Run ``stream``'s queue until ``position`` ops have completed."""
+        """Run ``stream``'s queue until ``position`` ops have completed (and the releases right behind them)."""
         while stream.completed < position:
+            self._run_head(stream)
+        self._run_releases(stream)
+
+    def _run_releases(self, stream: SimStream) -> None:
+        """A release at the head of the queue frees its memory now: the work before it is done, as with a caching
+        allocator's ``record_stream``, whose block is free once the events recorded at the release complete."""
+        while stream.queue and isinstance(stream.queue[0], QueuedRelease):
             self._run_head(stream)
 
     def drain(self, stream: SimStream) -> None:
@@ -185,6 +202,14 @@ class StreamScheduler:
 
     def pending(self) -> int:
         return sum(len(stream.queue) for stream in self.copy_streams)
+
+    def redirect(self, key: int, storage: torch.UntypedStorage) -> None:
+        """Queued copies that touch the storage ``key`` use ``storage`` (a copy of its bytes) instead."""
+        for stream in self.copy_streams:
+            for op in stream.queue:
+                if isinstance(op, QueuedCopy):
+                    op.dst = _moved(op.dst, key, storage)
+                    op.src = _moved(op.src, key, storage)
 
     def run_random(self, rng: random.Random) -> None:
         """Maybe run a random prefix of a random busy copy stream (every head is runnable by forcing)."""

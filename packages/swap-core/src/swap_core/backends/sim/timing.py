@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -139,18 +139,19 @@ class VirtualClock:
 
 
 class TimedComputeMode(ProgramOpMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
-    """Puts every compute op inside ``compute_scope`` on the compute stream's virtual timeline."""
+    """Puts every compute op inside ``compute_scope`` on the virtual timeline of the thread's current stream."""
 
-    def __init__(self, clock: VirtualClock, stream: str) -> None:
+    def __init__(self, clock: VirtualClock, current_stream: Callable[[], str]) -> None:
         super().__init__()
         self._clock = clock
-        self._stream = stream
+        self._current_stream = current_stream
 
     def run_op(self, func: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> object:
         result = func(*args, **kwargs)
         if func.overloadpacket not in _METADATA_OPS:
             touched = _tensor_bytes([*args, *kwargs.values(), result])
-            self._clock.issue(self._stream, self._clock.link.compute_seconds(touched, _matmul_flops(func, args)))
+            seconds = self._clock.link.compute_seconds(touched, _matmul_flops(func, args))
+            self._clock.issue(self._current_stream(), seconds)
         return result
 
 

@@ -1,0 +1,196 @@
+"""The host touches host buffers only after the copies into and out of them: a rule the simulator enforces.
+
+On a device, a device-to-host copy still in flight writes its host buffer behind the host's back: the host reads
+stale values and a host write is overwritten. Inside ``host_scope()`` the simulator reports such an access as a
+race, and in lazy mode it never runs a queued copy for it, so a missing wait also shows as a wrong number.
+The optimizer's re-layouts (a parameter's first gradient in a later step, an edit of ``state`` or
+``param_groups``) wait for the last offload before they read the host mirrors.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.errors import SimRaceError
+from swap_core.runtime.pipeline import PipelineScheduler
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal
+
+pytestmark = pytest.mark.sim_only  # the simulator's rules and what they catch
+
+
+def _queued_d2h(sim: SimBackend) -> torch.Tensor:
+    """A host buffer of 4.0s on its way (a queued device-to-host copy; lazy: not run yet)."""
+    device = sim.empty((256,), torch.float32)
+    with sim.compute_scope():
+        device.fill_(4.0)
+    host = sim.empty_host(256, torch.float32)
+    with sim.host_scope():
+        host.fill_(1.0)
+    d2h = sim.new_stream()
+    sim.wait_event(d2h, sim.record_event(sim.compute_stream()))
+    sim.copy(host, device, stream=d2h)
+    return host
+
+
+def test_reading_a_host_buffer_a_queued_copy_writes_is_a_race() -> None:
+    sim = SimBackend(mode="lazy")
+    host = _queued_d2h(sim)
+    with sim.host_scope(), pytest.raises(SimRaceError, match=r"write by stream1 \(copy d2h\) and read by host"):
+        host.sum()
+
+
+def test_a_host_access_runs_no_queued_copy() -> None:
+    sim = SimBackend(mode="lazy", on_race="record")
+    host = _queued_d2h(sim)
+    with sim.host_scope():
+        seen = host.clone()
+    assert sim.pending_ops() == 1, "the copy is still queued"
+    assert torch.equal(seen, torch.full((256,), 1.0)), "the host read what was there: the copy had not landed"
+    assert len(sim.races) == 1
+
+
+def test_writing_a_host_buffer_a_queued_copy_reads_is_a_race_and_reading_it_is_not() -> None:
+    sim = SimBackend(mode="lazy")
+    host = sim.empty_host(256, torch.float32)
+    with sim.host_scope():
+        host.fill_(2.0)
+    device = sim.empty((256,), torch.float32)
+    h2d = sim.new_stream()
+    sim.wait_event(h2d, sim.record_event(sim.compute_stream()))
+    sim.copy(device, host, stream=h2d)
+    with sim.host_scope():
+        assert host.sum().item() == 512.0, "two readers do not race"
+        with pytest.raises(SimRaceError, match=r"read by stream1 \(copy h2d\) and write by host"):
+            host.zero_()
+
+
+def test_waiting_for_the_copy_orders_the_host_after_it() -> None:
+    sim = SimBackend(mode="lazy")
+    host = _queued_d2h(sim)
+    done = sim.record_event(sim._scheduler.copy_streams[0])  # type: ignore[attr-defined]  # the copy's stream
+    done.synchronize()
+    with sim.host_scope():
+        assert host.sum().item() == 1024.0
+    assert not sim.races
+
+
+# -- what the rule catches in the optimizer ---------------------------------------------------------------------------
+
+Edit = Callable[[torch.optim.Optimizer, list[torch.Tensor]], None]
+
+
+def _late_gradient(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    params[-1].requires_grad_(True)  # gradual unfreezing: the last parameter gets its first gradient now
+
+
+def _reverse(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    optimizer.param_groups[0]["params"].reverse()
+
+
+def _append(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    optimizer.param_groups[0]["params"].append(params[-1])
+    params[-1].requires_grad_(True)
+
+
+def _delete(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    del optimizer.state[params[0]]
+
+
+def _replace_a_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    optimizer.state[params[1]]["square_avg"] = torch.full(params[1].shape, 0.5)
+
+
+def _inner_add_param_group(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    params[-1].requires_grad_(True)
+    inner.add_param_group({"params": [params[-1]]})
+
+
+def _assign_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    inner: Any = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    inner.state = collections.defaultdict(dict, inner.state)  # a new mapping holding the same entries
+
+
+EDITS: dict[str, Edit] = {
+    "late_gradient": _late_gradient,
+    "reverse": _reverse,
+    "append": _append,
+    "delete": _delete,
+    "replace": _replace_a_state,
+    "inner_add_param_group": _inner_add_param_group,
+    "assign_state": _assign_state,
+}
+_IN_FIRST_GROUP = {"late_gradient", "reverse", "delete", "replace", "assign_state"}
+
+
+def _run(edit: str, sim: SimBackend | None, *, master_weights: bool = False) -> tuple[list[torch.Tensor], Any]:
+    """RMSprop over four parameters (the last frozen at first), stepped 5 times with ``edit`` before step 2."""
+    generator = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    params = [torch.nn.Parameter(torch.randn(48, 40, generator=generator).to(dtype)) for _ in range(4)]
+    params[-1].requires_grad_(False)
+    listed = params if edit in _IN_FIRST_GROUP else params[:-1]
+    optimizer: Any = torch.optim.RMSprop(listed, lr=0.01)
+    if sim is not None:
+        config = SwapConfig(backend=sim, swap_times=2, min_numel=16, master_weights=master_weights)
+        optimizer = swap_optimizer(optimizer, config)
+    elif master_weights:
+        return _fp32_master_reference(edit, params)
+    grads = torch.Generator().manual_seed(1)
+    for step in range(5):
+        if step == 2:
+            EDITS[edit](optimizer, params)
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=grads).to(dtype) if param.requires_grad else None
+        optimizer.step()
+    return params, optimizer
+
+
+def _fp32_master_reference(edit: str, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    masters = [torch.nn.Parameter(param.detach().float(), requires_grad=param.requires_grad) for param in params]
+    listed = masters if edit in _IN_FIRST_GROUP else masters[:-1]
+    optimizer = torch.optim.RMSprop(listed, lr=0.01)
+    grads = torch.Generator().manual_seed(1)
+    for step in range(5):
+        if step == 2:
+            EDITS[edit](optimizer, masters)
+            params[-1].requires_grad_(masters[-1].requires_grad)
+        for param, master in zip(params, masters, strict=True):
+            grad = torch.randn(param.shape, generator=grads).to(param.dtype) if master.requires_grad else None
+            master.grad = grad.float() if grad is not None else None
+        optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(params, masters, strict=True):
+                param.copy_(master)
+    return params, optimizer
+
+
+@pytest.mark.parametrize(
+    "edit,master_weights",
+    # With master weights a deleted entry restarts its master from the bf16 parameter: not the fp32 reference's.
+    [*((edit, False) for edit in EDITS), *((edit, True) for edit in EDITS if edit != "delete")],
+)
+def test_edits_between_steps_wait_for_the_last_offload_before_reading_host_mirrors(
+    edit: str, master_weights: bool
+) -> None:
+    sim = SimBackend(mode="lazy")  # the last offload of each step stays queued until something waits for it
+    expected, _ = _run(edit, None, master_weights=master_weights)
+    actual, optimizer = _run(edit, sim, master_weights=master_weights)
+    for index, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        assert_bitwise_equal(want, got, f"{edit}: parameter {index}")
+    assert not sim.races, sim.races
+    assert sim.pending_ops() > 0, "the last offload of the last step is still in flight: steps never wait for it"
+    del optimizer
+
+
+def test_planted_bug_a_relayout_that_does_not_wait_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PipelineScheduler, "synchronize", lambda self: None)  # the store's wait does nothing
+    with pytest.raises(SimRaceError, match=r"copy d2h\) and read by host"):
+        _run("late_gradient", SimBackend(mode="lazy"))
