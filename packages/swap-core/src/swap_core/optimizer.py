@@ -189,7 +189,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
         self._backward_prefetch: BackwardPrefetch | None = None
         if config.prefetch == "backward" and self._scheduler is not None:
-            self._backward_prefetch = BackwardPrefetch(self, self.prefetch)
+            self._backward_prefetch = BackwardPrefetch(self, self._prefetch_from_backward)
             self._arm_backward_prefetch(after_step=False)  # states loaded or deep-copied: the first backward prefetches
         _WRAPPERS[optimizer] = weakref.ref(self)
         self._offer_outside_step_methods()
@@ -377,6 +377,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         issued_at = self._modeled_times()
         self._scheduler.prefetch(plan)
         self._prefetched_at = issued_at
+
+    def _prefetch_from_backward(self) -> None:
+        """:meth:`prefetch` from a gradient hook: on the stream the steps run on, whatever stream the hook runs under
+        (FSDP2 runs post-accumulate-grad hooks under its post-reduce stream: staging allocated there would belong
+        to that stream's pool, and the copy-in, ordered after the step's stream only, could overwrite a block the
+        reduce-scatter still reads)."""
+        assert self._scheduler is not None and self.backend is not None
+        with self.backend.stream(self._scheduler.compute):
+            self.prefetch()
 
     @property
     def prefetched(self) -> bool:

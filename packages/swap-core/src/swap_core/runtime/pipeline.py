@@ -10,7 +10,11 @@
 update, while batch 1 comes in, when :meth:`PipelineScheduler.prefetch` brought batch 0 before the step.
 
 Every cross-stream dependency is an explicit event; the scheduler never blocks
-the host during a step. After a step the last offload may still be running:
+the host during a step. A step's compute stream is the stream current when it
+starts (``with torch.cuda.stream(s): opt.step()`` updates on ``s``, as a plain
+optimizer would); staging memory is freed behind the last stream that used it
+(``release_storage(..., in_use_on=...)``), whichever stream allocated it.
+After a step the last offload may still be running:
 :meth:`PipelineScheduler.synchronize` waits for it before anyone reads host
 mirrors, and the next step's prefetch stream waits for it on the device.
 
@@ -59,6 +63,7 @@ class PipelineScheduler:
     def __init__(self, backend: DeviceBackend, *, duplex: bool) -> None:
         self.backend = backend
         self.compute = backend.compute_stream()
+        """The stream the current (or last) step or prefetch issued its compute and allocations to."""
         self.h2d = backend.new_stream()
         self.d2h = backend.new_stream() if duplex else self.h2d
         self._last_offload: Event | None = None
@@ -76,6 +81,7 @@ class PipelineScheduler:
         """
         if self._early is not None or not plan.batches:
             return
+        self.compute = self.backend.compute_stream()
         self._settle()
         packed = plan.arenas is not None
         if plan.arenas is not None:
@@ -84,7 +90,7 @@ class PipelineScheduler:
         try:
             event = self._prefetch(plan.batches[0], counted, packed=packed)
         except BaseException:
-            self._free_first_batch(plan, self.backend.record_event(self.h2d))
+            self._free_first_batch(plan)
             raise
         self._early = _EarlyPrefetch(plan, event, counted.h2d_copies, counted.h2d_bytes)
 
@@ -98,6 +104,7 @@ class PipelineScheduler:
         trace: StepTrace | None = None,
     ) -> None:
         """One step: every batch prefetched, updated and offloaded, in order (timed into ``trace`` if given)."""
+        self.compute = self.backend.compute_stream()
         self._timeline = _Timeline(self.backend, self.compute) if trace is not None else None
         early = self._take_early(plan)
         self._settle()
@@ -221,10 +228,11 @@ class PipelineScheduler:
             return Offloaded(front if front is not None else done, done)
 
     def _reclaim(self, batch: PlannedBatch, offloaded: Event) -> None:
-        """Per-tensor mode: free the storages ``batch`` used once its offload has read them."""
+        """Per-tensor mode: free the storages ``batch`` used once its offload has read them (the compute stream
+        waits for it, so that the next batch's restore on that stream can take the same memory)."""
         self.backend.wait_event(self.compute, offloaded)
         for view in batch.device_views:
-            self.backend.release_storage(view)
+            self.backend.release_storage(view, in_use_on=self.compute)
 
     def _mark(self, stream: Stream) -> Event | None:
         return self._timeline.mark(stream) if self._timeline is not None else None
@@ -242,7 +250,7 @@ class PipelineScheduler:
         early, self._early = self._early, None
         if early is not None:
             transition(early.plan.batches[0].slots, SlotState.H2D, SlotState.HOST)
-            self._free_first_batch(early.plan, early.event)
+            self._free_first_batch(early.plan)
 
     def _take_early(self, plan: SwapPlan) -> _EarlyPrefetch | None:
         """The pending prefetch of ``plan``'s first batch, or ``None``; one of another plan is dropped."""
@@ -250,23 +258,23 @@ class PipelineScheduler:
         if early is None or early.plan is plan:
             return early
         transition(early.plan.batches[0].slots, SlotState.H2D, SlotState.HOST)
-        self._free_first_batch(early.plan, early.event)
+        self._free_first_batch(early.plan)
         return None
 
-    def _free_first_batch(self, plan: SwapPlan, copied: Event) -> None:
-        """The staging memory of ``plan``'s first batch (its arenas, in packed mode), once ``copied`` passed."""
-        self.backend.wait_event(self.compute, copied)
-        self._free_staging(plan, plan.batches[:1])
+    def _free_first_batch(self, plan: SwapPlan) -> None:
+        """The staging memory of ``plan``'s first batch (its arenas, in packed mode), behind its copy-in."""
+        self._free_staging(plan, plan.batches[:1], in_use_on=self.h2d)
 
-    def _free_staging(self, plan: SwapPlan, batches: list[PlannedBatch]) -> None:
-        """``plan``'s arenas (packed mode), or the restored storages of ``batches``; the compute stream has waited."""
+    def _free_staging(self, plan: SwapPlan, batches: list[PlannedBatch], *, in_use_on: Stream | None = None) -> None:
+        """``plan``'s arenas (packed mode), or the restored storages of ``batches``, freed behind the work issued to
+        ``in_use_on`` (``None``: the work using them is done)."""
         if plan.arenas is not None:
-            plan.arenas.release()
+            plan.arenas.release(in_use_on=in_use_on)
             return
         for batch in batches:
             for view in batch.device_views:
                 if view.untyped_storage().nbytes() > 0:
-                    self.backend.release_storage(view)
+                    self.backend.release_storage(view, in_use_on=in_use_on)
 
     # -- between steps --------------------------------------------------------
     def _settle(self) -> None:

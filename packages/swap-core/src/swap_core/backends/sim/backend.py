@@ -217,7 +217,7 @@ class SimBackend:
                 poison_storage(tensor)
         record = self._registry.register(tensor, MemoryKind.DEVICE)
         nbytes = tensor.untyped_storage().nbytes()
-        stream = self._current_stream()
+        stream = self._stream_for_allocation()
         record.stream = stream
         block = self._take_block(nbytes, record, storage_key(tensor), stream, restoring=False)
         self._registry.count(record, nbytes)
@@ -331,8 +331,12 @@ class SimBackend:
             self._scheduler.drain(stream)
 
     def _free_storage(self, tensor: torch.Tensor, record: StorageRecord, nbytes: int) -> None:
-        """Free a storage on its own stream now: uncounted, its block cached (see :meth:`_unmap`)."""
+        """Free a storage on its own stream: uncounted, its block cached (see :meth:`_unmap`); now, or behind the
+        work queued on that stream when it is a copy stream made current (its waits have not run yet)."""
         stream = self._block_stream(record)
+        if stream.queue:
+            self._release_after(tensor, record, nbytes, stream)
+            return
         self._stream_writes_storage(stream, tensor, nbytes, "release_storage")
         self._registry.uncount(record)
         key = storage_key(tensor)
@@ -367,7 +371,9 @@ class SimBackend:
         free; its history passes to the new user. ``None``: new memory is reserved."""
         if self._allocator is None:
             return None
-        block = self._allocator.take(nbytes, key, stream.name, restoring=restoring, usable=self._released)
+        block = self._allocator.take(
+            nbytes, key, stream.name, restoring=restoring, usable=lambda cached: self._released(cached, stream)
+        )
         if block is None:
             return None
         release = block.release
@@ -383,15 +389,18 @@ class SimBackend:
         self._allocator.inherit_history(block, key)
         return block
 
-    def _released(self, block: CachedBlock) -> bool:
-        """Whether ``block``'s stream-ordered release has completed, as an event query sees it now: the queue ran
-        it, and on the virtual clock its time has passed on the host's. A block freed on its own stream is free."""
+    def _released(self, block: CachedBlock, stream: SimStream) -> bool:
+        """Whether ``block`` is free for an allocation on ``stream``: freed on its own stream, or its stream-ordered
+        release has completed as an event query sees it now (the queue ran it, and on the virtual clock its
+        time has passed on the host's; a release queued on ``stream`` itself is ordered before the allocation)."""
         release = block.release
         if release is None:
             return True
         if release.stream.completed < release.position:
             return False
-        return self._clock is None or release.modeled_at is None or release.modeled_at <= self._clock.host
+        if release.stream is stream or self._clock is None or release.modeled_at is None:
+            return True
+        return release.modeled_at <= self._clock.host
 
     def _detach_pending_release(self, tensor: torch.Tensor, record: StorageRecord) -> None:
         """A storage whose stream-ordered release is still queued is allocated again: it takes new bytes, and the
@@ -436,9 +445,9 @@ class SimBackend:
                     f"and the tensor needs {nbytes}"
                 )
         key = storage_key(tensor)
-        stream = self._current_stream()
+        stream = self._stream_for_allocation()
         own = self._allocator.bound_block(key) if self._allocator is not None else None
-        if own is None or own.stream != stream.name or not self._released(own):
+        if own is None or own.stream != stream.name or not self._released(own, stream):
             # Its own bytes are not to be had now: new ones, the old ones stay with the work still using them.
             if pending is not None and pending.stream.completed < pending.position:
                 self._detach_pending_release(tensor, record)
@@ -749,6 +758,12 @@ class SimBackend:
     def _current_stream(self) -> SimStream:
         stream: SimStream | None = getattr(self._thread, "stream", None)
         return stream if stream is not None else self._scheduler.compute
+
+    def _stream_for_allocation(self) -> SimStream:
+        """The current stream, about to allocate: an allocation is stream-ordered, so its queued work runs first
+        (then blocks it freed are free to it, as a real allocator hands a stream its own freed blocks at once)."""
+        self._issue_on_current()
+        return self._current_stream()
 
     def _issue_on_current(self) -> str:
         """A compute op is about to run on the current stream: a copy stream's queued work runs first (in order)."""
