@@ -160,7 +160,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._params_version = 0
         self._resident_bytes = 0
         self._every_param_ready = False
-        self._prefetched_at: ModeledTimes | None = None
         self._step_grads: list[torch.Tensor | None] = []
         self._tracked = TrackedState()
         self._seen_state_version = -1
@@ -229,7 +228,6 @@ class SwapOptimizer(torch.optim.Optimizer):
             return method()
         self.synchronize()
         self._scheduler.discard_prefetch()
-        self._prefetched_at = None
         if not self._master_weights:
             return method()
         assert self.backend is not None
@@ -307,7 +305,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 return loss
             started = time.perf_counter()
             modeled_start = self._modeled_times()
-            transfers_from, self._prefetched_at = self._prefetched_at, None
+            if modeled_start is not None and not self._scheduler.prefetched:
+                self._start_transfer_window()  # else prefetch() started it: its copy-in is this step's first
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
             try:
@@ -347,13 +346,18 @@ class SwapOptimizer(torch.optim.Optimizer):
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
         if modeled_start is not None:
-            _set_modeled_seconds(stats, modeled_start, self._modeled_times(), transfers_from)
+            _set_modeled_seconds(stats, modeled_start, self._modeled_times())
         self.stats = stats
         return loss
 
     def _modeled_times(self) -> ModeledTimes | None:
         """The simulator's virtual clock now, when the backend has one."""
         return self.backend.modeled_times() if isinstance(self.backend, SimBackend) else None
+
+    def _start_transfer_window(self) -> None:
+        """A step's transfers start here (on the simulator's virtual clock, measured on the copy streams)."""
+        if isinstance(self.backend, SimBackend):
+            self.backend.start_transfer_window()
 
     def prefetch(self) -> None:
         """Start copying the first batch's states to the device now, ahead of ``step()`` (e.g. right after backward).
@@ -374,9 +378,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         plan = self._current_plan()
         if not plan.batches or not plan.batches[0].slots:  # nothing to copy in yet: the first step creates the states
             return
-        issued_at = self._modeled_times()
+        self._start_transfer_window()
         self._scheduler.prefetch(plan)
-        self._prefetched_at = issued_at
 
     def _prefetch_from_backward(self) -> None:
         """:meth:`prefetch` from a gradient hook: on the stream the steps run on, whatever stream the hook runs under
@@ -1035,16 +1038,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         return len(new)
 
 
-def _set_modeled_seconds(
-    stats: SwapStats, start: ModeledTimes, end: ModeledTimes | None, prefetched: ModeledTimes | None
-) -> None:
-    """``stats.modeled_step_seconds`` and ``modeled_transfer_seconds`` from the virtual clock at entry and at exit
-    (the transfers from ``prefetched``, the clock when ``prefetch()`` started them, if it did)."""
+def _set_modeled_seconds(stats: SwapStats, start: ModeledTimes, end: ModeledTimes | None) -> None:
+    """``stats.modeled_step_seconds`` from the virtual clock at entry and at exit; ``modeled_transfer_seconds`` on
+    the copy streams: from the start of the step's first copy (a ``prefetch()``'s, if it ran one) to the end of
+    its last."""
     assert end is not None
     entered = max(start.host, start.compute)
     stats.modeled_step_seconds = max(end.compute - entered, 0.0)
-    transfers_from = prefetched.host if prefetched is not None else start.host
-    stats.modeled_transfer_seconds = max(end.transfers - transfers_from, 0.0)
+    first = end.transfers_started
+    stats.modeled_transfer_seconds = max(end.transfers - first, 0.0) if first is not None else 0.0
 
 
 def _with_grad(

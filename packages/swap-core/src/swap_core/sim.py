@@ -13,6 +13,7 @@ from swap_core.backends.sim import (
     SimMode,
     SimStream,
 )
+from swap_core.backends.sim.loop import modeled_iterations
 from swap_core.backends.sim.timing import LINK_PRESETS, LinkModel, ModeledTimes
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "SimEvent",
     "SimMode",
     "SimStream",
+    "modeled_iterations",
 ]

@@ -567,7 +567,7 @@ class SimBackend:
         if self._race_checker is not None:
             self._record_copy(sim_stream, direction, dst, dst_record, src, src_record)
         clock = self._clock
-        copied_at = clock.issue(sim_stream.name, clock.link.copy_seconds(direction, nbytes)) if clock else 0.0
+        copied_at = clock.issue_copy(sim_stream.name, clock.link.copy_seconds(direction, nbytes)) if clock else 0.0
         op = QueuedCopy(dst, src, direction)
         pageable = (dst_record is not None and dst_record.is_pageable) or (
             src_record is not None and src_record.is_pageable
@@ -672,13 +672,27 @@ class SimBackend:
             raise ValueError(f"model_compute needs seconds >= 0, got {seconds!r}")
         self._clock.issue(self._current_stream().name, seconds)
 
+    def model_host_read(self) -> None:
+        """The host reads a value the current stream computes (``loss.item()``): on the virtual clock it waits for
+        that stream's work so far."""
+        if self._clock is None:
+            raise ValueError("model_host_read needs a virtual clock: SimBackend(timing=LinkModel(...))")
+        self._clock.host_waits(self._clock.free_at(self._current_stream().name))
+
     def modeled_times(self) -> ModeledTimes | None:
         """Where the virtual clock stands now, or ``None`` without ``timing``."""
         clock = self._clock
         if clock is None:
             return None
         copies = [clock.free_at(stream.name) for stream in self._scheduler.copy_streams]
-        return ModeledTimes(clock.host, clock.free_at(self._current_stream().name), max(copies, default=0.0))
+        compute = clock.free_at(self._current_stream().name)
+        return ModeledTimes(clock.host, compute, max(copies, default=0.0), clock.transfers_started)
+
+    def start_transfer_window(self) -> None:
+        """From now on, :meth:`modeled_times` notes when the first copy issued starts (``transfers_started``), on the
+        copy streams' timelines; nothing without ``timing``."""
+        if self._clock is not None:
+            self._clock.start_transfer_window()
 
     # -- simulator extras ------------------------------------------------------
     def fail_copy(self, at: int, direction: str | None = None) -> None:

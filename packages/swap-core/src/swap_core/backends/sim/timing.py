@@ -13,7 +13,11 @@ and on every machine:
 - a compute op inside ``compute_scope`` lasts the bytes it touches over device memory bandwidth,
   a matrix product its FLOPs over ``device_tflops`` if that is longer;
 - an event carries its stream's time when recorded; a stream that waits for it starts no later
-  work before then; the host waiting for it (``synchronize``) advances the host's clock.
+  work before then;
+- the host has a timeline too: every host-blocking call (an event's or the device's ``synchronize``,
+  a value of device memory read by the host such as ``.item()``, a copy from pageable memory)
+  advances the host's clock to the time it waited for, so a needless wait in a training loop
+  delays the next forward's launch (see :func:`~swap_core.backends.sim.loop.modeled_iterations`).
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ class ModeledTimes:
     """When the compute stream has finished what was issued to it."""
     transfers: float
     """When the copy streams have finished what was issued to them."""
+    transfers_started: float | None = None
+    """When the first copy issued since the last :meth:`VirtualClock.start_transfer_window` started (``None``: no
+    copy since)."""
 
 
 class VirtualClock:
@@ -112,6 +119,20 @@ class VirtualClock:
         self.host = 0.0
         """When the host issues its next op."""
         self._free_at: dict[str, float] = {}
+        self.transfers_started: float | None = None
+        """The start of the first copy since :meth:`start_transfer_window` (``None``: none yet)."""
+
+    def start_transfer_window(self) -> None:
+        """Note, from now on, when the first copy issued starts (a step's transfers, measured on the copy streams)."""
+        self.transfers_started = None
+
+    def issue_copy(self, stream: str, seconds: float) -> float:
+        """A copy of ``seconds`` on ``stream``, issued by the host now; returns when it ends."""
+        end = self.issue(stream, seconds)
+        start = end - seconds
+        if self.transfers_started is None or start < self.transfers_started:
+            self.transfers_started = start
+        return end
 
     def free_at(self, stream: str) -> float:
         """When ``stream`` has finished everything issued to it so far."""
