@@ -10,12 +10,14 @@ The optimizer's re-layouts (a parameter's first gradient in a later step, an edi
 from __future__ import annotations
 
 import collections
+import gc
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+import swap_core.optimizer as optimizer_module
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.errors import SimRaceError
 from swap_core.runtime.pipeline import PipelineScheduler
@@ -194,3 +196,86 @@ def test_planted_bug_a_relayout_that_does_not_wait_is_reported(monkeypatch: pyte
     monkeypatch.setattr(PipelineScheduler, "synchronize", lambda self: None)  # the store's wait does nothing
     with pytest.raises(SimRaceError, match=r"copy d2h\) and read by host"):
         _run("late_gradient", SimBackend(mode="lazy"))
+
+
+# -- registered host memory: freed only once the copies using it are done ----------------------------------------------
+
+
+def test_letting_go_of_a_registered_buffer_with_a_copy_in_flight_is_reported() -> None:
+    sim = SimBackend(mode="lazy")
+    host = _queued_d2h(sim)
+    del host
+    gc.collect()
+    assert len(sim.races) == 1 and "free of a registered host buffer" in sim.races[0], sim.races
+    with pytest.raises(SimRaceError, match="free of a registered host buffer"):
+        sim.synchronize()  # a garbage-collection callback cannot raise: the next call of the backend does
+
+
+def test_a_registered_buffer_freed_after_its_copy_was_waited_for_is_not_a_race() -> None:
+    sim = SimBackend(mode="lazy")
+    host = _queued_d2h(sim)
+    sim.synchronize()
+    del host
+    gc.collect()
+    assert not sim.races
+
+
+def test_a_caching_allocator_buffer_may_go_with_a_copy_in_flight() -> None:
+    """torch's caching pinned allocator records an event per copy and reuses the block only after it."""
+    sim = SimBackend(mode="lazy")
+    host = sim.empty_host(256, torch.float32, mode="caching")
+    device = sim.empty((256,), torch.float32)
+    d2h = sim.new_stream()
+    sim.wait_event(d2h, sim.record_event(sim.compute_stream()))
+    sim.copy(host, device, stream=d2h)
+    del host
+    gc.collect()
+    sim.synchronize()
+    assert not sim.races
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_deleting_an_optimizer_right_after_its_step_waits_for_the_copies_first(packed: bool) -> None:
+    sim = SimBackend(mode="lazy")
+    params = [torch.nn.Parameter(torch.randn(48, 40)) for _ in range(4)]
+    optimizer = swap_optimizer(torch.optim.RMSprop(params), SwapConfig(backend=sim, min_numel=16, packed=packed))
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert sim.pending_ops() > 0, "the last offload is in flight"
+    del optimizer
+    gc.collect()
+    sim.synchronize()
+    assert not sim.races, sim.races
+
+
+def test_planted_bug_an_optimizer_collected_without_waiting_frees_buffers_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(optimizer_module, "drain_in_flight_copies", lambda scheduler: None)
+    sim = SimBackend(mode="lazy", on_race="record")
+    params = [torch.nn.Parameter(torch.randn(48, 40)) for _ in range(4)]
+    optimizer = swap_optimizer(torch.optim.RMSprop(params), SwapConfig(backend=sim, min_numel=16))
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    del optimizer
+    gc.collect()
+    assert any("free of a registered host buffer" in race for race in sim.races), sim.races
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_a_state_reset_or_replaced_between_steps_frees_its_buffers_after_the_copies(packed: bool) -> None:
+    sim = SimBackend(mode="lazy")
+    params = [torch.nn.Parameter(torch.randn(48, 40)) for _ in range(4)]
+    optimizer = swap_optimizer(torch.optim.RMSprop(params), SwapConfig(backend=sim, min_numel=16, packed=packed))
+    for step in range(4):
+        for param in params:
+            param.grad = torch.ones_like(param)
+        if step == 2:
+            del optimizer.state[params[0]]
+            optimizer.optimizer.state = collections.defaultdict(dict, optimizer.state)  # a new mapping
+        optimizer.step()
+        gc.collect()
+    sim.synchronize()
+    assert not sim.races, sim.races

@@ -103,14 +103,16 @@ def test_recorded_race_and_wrong_number_together() -> None:
     sim = SimBackend(mode="lazy", on_race="record")
     result = run_pipeline(sim, VALUES, skip="prefetch", release=False)
     assert torch.isnan(result).all()
-    # Every later op touching what the unwaited H2D copy touches is reported once per pair.
-    assert len(sim.races) == 4
+    # Every later op touching what the unwaited H2D copy touches is reported once per pair, and the host buffer
+    # the copy reads is let go of while the copy is still in flight.
+    assert len(sim.races) == 5
     assert "write by stream1 (copy h2d) and write by compute (aten::mul_.Tensor)" in sim.races[0]
     assert "compute must wait_event on an event recorded on stream1 after the copy h2d" in sim.races[0]
     assert "write by compute (aten::add_.Tensor)" in sim.races[1]
     assert "Race on host memory" in sim.races[2]
     assert "read by stream1 (copy h2d) and write by stream2 (copy d2h)" in sim.races[2]
     assert "write by stream1 (copy h2d) and read by stream2 (copy d2h)" in sim.races[3]
+    assert "read by stream1 (copy h2d) and write by host (free of a registered host buffer)" in sim.races[4]
 
 
 @pytest.mark.parametrize("mode", ["sync", "lazy", "random"])

@@ -44,7 +44,7 @@ from .master_weights import (
     without_master,
 )
 from .runtime.dtensor import local_tensor, shard_layout
-from .runtime.pipeline import PipelineScheduler
+from .runtime.pipeline import PipelineScheduler, drain_in_flight_copies
 from .runtime.plan import PlannedBatch, SwapPlan, build_plan
 from .runtime.slots import SwapSlot, layout_stride
 from .runtime.store import StateSource, StateStore
@@ -176,6 +176,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.register_state_dict_post_hook(_exported(self.adapter), prepend=True)
             if self.backend is not None:
                 self._scheduler = PipelineScheduler(self.backend, duplex=config.duplex)
+                weakref.finalize(self, drain_in_flight_copies, self._scheduler)
                 self._adopt_params()
                 self._adopt_state()  # existing states move to host memory (may find the host too small)
                 self._layout = _layout(self.param_groups, self._ordered_params())

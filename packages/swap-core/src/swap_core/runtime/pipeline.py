@@ -31,6 +31,7 @@ it once its offload is done.
 from __future__ import annotations
 
 import contextlib
+import logging
 import traceback
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -45,9 +46,11 @@ from ..trace import StepTrace, TraceInterval
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
 
-__all__ = ["Offloaded", "PipelineScheduler", "UpdateFn"]
+__all__ = ["Offloaded", "PipelineScheduler", "UpdateFn", "drain_in_flight_copies"]
 
 UpdateFn = Callable[[PlannedBatch], None]
+
+_LOG = logging.getLogger("swap_core")
 
 
 class Offloaded(NamedTuple):
@@ -67,6 +70,9 @@ class PipelineScheduler:
         self.h2d = backend.new_stream()
         self.d2h = backend.new_stream() if duplex else self.h2d
         self._last_offload: Event | None = None
+        self._in_flight: SwapPlan | None = None
+        """The plan whose last offloads may still be running: it keeps their host buffers alive until the host has
+        waited for them (:meth:`synchronize`), whatever else lets go of them (see :func:`drain_in_flight_copies`)."""
         self._offloaded: list[SwapSlot] = []
         self._stranded: list[PlannedBatch] = []
         self._stranded_plan: SwapPlan | None = None
@@ -137,6 +143,7 @@ class PipelineScheduler:
                 self._update(batch, prefetched[index], update)
                 offloaded.append(self._offload(batch, stats))
             self._last_offload = offloaded[-1].done
+            self._in_flight = plan
             # The last offloads still read their staging memory: it is freed stream-ordered behind them, so the
             # compute stream (the next forward) does not wait for them.
             if packed and not keep_staging:
@@ -165,6 +172,7 @@ class PipelineScheduler:
         if self._last_offload is not None:
             self._last_offload.synchronize()
             self._last_offload = None
+        self._in_flight = None
         self._finish_offloads()
 
     # -- the three moves ------------------------------------------------------
@@ -338,6 +346,21 @@ class PipelineScheduler:
             return  # their staging memory still holds the only copy
         self._stranded_plan = None
         self._free_staging(plan, plan.batches)  # the synchronize above ordered everything
+
+
+def drain_in_flight_copies(scheduler: PipelineScheduler) -> None:
+    """Finalizer of a swapped optimizer: wait for the copies it left in flight before its host buffers go.
+
+    Registered with ``weakref.finalize(optimizer, drain_in_flight_copies, scheduler)``: the finalizer holds
+    the scheduler, whose in-flight plan holds the host buffers the last offload writes, so they outlive the
+    optimizer until this ran (``opt.step(); del opt`` would otherwise unregister and unmap exact-size pinned
+    buffers that a device-to-host copy is still writing). A failure cannot be raised from a finalizer: it is
+    logged.
+    """
+    try:
+        scheduler.synchronize()
+    except Exception as error:
+        _LOG.warning("Could not wait for the copies of a collected swapped optimizer (%s)", error)
 
 
 class _EarlyPrefetch:

@@ -224,7 +224,9 @@ class StateStore:
 
     def remove(self, params: Iterable[torch.Tensor]) -> None:
         """Forget the slots of ``params`` (their entries in ``state`` were reset or replaced); call :meth:`reorder`
-        or :meth:`add` next to re-pack the host buffers."""
+        or :meth:`add` next to re-pack the host buffers. Their host buffers may be freed: the copies into them
+        are waited for first."""
+        self._await_offloads()
         for param in params:
             for slot in self.slots.pop(param, {}).values():
                 self._swapped_bytes -= slot.nbytes

@@ -29,7 +29,7 @@ from swap_core.backends.host_memory import (
 )
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import spans_whole_storage
-from swap_core.errors import SimPageableCopyError, SimUseAfterFreeError
+from swap_core.errors import SimPageableCopyError, SimRaceError, SimUseAfterFreeError
 from swap_core.torch_compat import storage_id
 
 from .caching_allocator import CachedBlock, CachingAllocator
@@ -46,7 +46,7 @@ from .memory import (
     storage_key,
     storage_too_small,
 )
-from .race_checker import AccessRequest, OnRace, RaceChecker
+from .race_checker import HOST_AGENT, AccessRequest, OnRace, RaceChecker
 from .streams import QueuedCopy, QueuedRelease, QueuedWait, SimEvent, SimStream, StreamScheduler
 from .timing import LinkModel, ModeledTimes, TimedComputeMode, VirtualClock
 
@@ -146,8 +146,12 @@ class SimBackend:
             else None
         )
         self._registry = MemoryRegistry(
-            self._forget_history, self._storage_collected if self._allocator is not None else None
+            self._forget_history,
+            self._storage_collected if self._allocator is not None else None,
+            self._host_buffer_freed if self._race_checker is not None else None,
         )
+        self._deferred_race: SimRaceError | None = None
+        """A race found where it cannot be raised (a garbage-collection callback): raised by the next call."""
         self._scheduler = StreamScheduler(self._execute_copy)
         self._sync = mode == "sync"
         self._rng = random.Random(seed) if mode == "random" else None
@@ -250,6 +254,7 @@ class SimBackend:
             mode = "caching"
         record = self._registry.register(tensor, MemoryKind.HOST)
         self._registry.pin(record, pinned_size(numel * dtype.itemsize, mode))
+        record.registered = mode == "exact"
         return tensor
 
     def pinned_bytes(self, buffer: torch.Tensor) -> int:
@@ -551,7 +556,7 @@ class SimBackend:
         asynchronous copy cannot use.
         """
         # The hot path of sync mode without checks: keep it to lookups, counters and the copy itself.
-        if self._rng is not None:
+        if self._rng is not None or self._deferred_race is not None:
             self._tick()
         sim_stream = self._own_stream(stream)
         records = self._registry.records
@@ -579,6 +584,9 @@ class SimBackend:
             sim_stream.completed += 1
             self._execute_copy(op)
         else:
+            # A queued copy keeps the memory it touches, not the program's tensors: the program may let go of a
+            # registered host buffer while the copy is in flight, and the simulator must see it (see memory.py).
+            op.dst, op.src = _detached(dst, dst_record), _detached(src, src_record)
             self._scheduler.enqueue(sim_stream, op)
             if self._sync or pageable:
                 self._scheduler.drain(sim_stream)
@@ -716,9 +724,26 @@ class SimBackend:
 
     # -- internals ------------------------------------------------------------
     def _tick(self) -> None:
-        """In random mode, maybe run some queued work now: any point is a legal time for it to run."""
+        """In random mode, maybe run some queued work now: any point is a legal time for it to run. First, raise a
+        race found where it could not be raised (see :meth:`_host_buffer_freed`)."""
+        deferred = self._deferred_race
+        if deferred is not None:
+            self._deferred_race = None
+            raise deferred
         if self._rng is not None:
             self._scheduler.run_random(self._rng)
+
+    def _host_buffer_freed(self, key: int, record: StorageRecord) -> None:
+        """The program let go of a registered host buffer (its last tensor was collected): on a device the
+        backend unregisters it now, and a copy still in flight would write or read unmapped pages. Checked as a
+        host write of the whole buffer; reported (in :attr:`races`, and raised by the next call of this backend
+        when ``on_race="raise"``), since a garbage-collection callback cannot raise."""
+        assert self._race_checker is not None
+        request = AccessRequest(key, MemoryKind.HOST.value, 0, record.pinned_bytes, True)
+        try:
+            self._race_checker.access(HOST_AGENT, [request], "free of a registered host buffer")
+        except SimRaceError as race:
+            self._deferred_race = race
 
     @contextlib.contextmanager
     def _untracked(self) -> Iterator[None]:
@@ -873,6 +898,15 @@ class SimBackend:
             self._clock.host_waits(event.modeled_at)
         if self._race_checker is not None and event.snapshot is not None:
             self._race_checker.host_waits(event.snapshot)
+
+
+def _detached(tensor: torch.Tensor, record: StorageRecord | None) -> torch.Tensor:
+    """``tensor`` itself, or for registered host memory the same view of its storage through a tensor of its own
+    (which keeps the bytes alive, but not the program's tensor, whose collection frees the buffer)."""
+    if record is None or not record.registered:
+        return tensor
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 def _copy_direction(

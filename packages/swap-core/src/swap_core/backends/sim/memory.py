@@ -66,6 +66,10 @@ class StorageRecord:
     adopted and plain tensors (the default compute stream's)."""
     pinned_bytes: int = 0
     """Host bytes a real pinned buffer of this size would hold (rounding included); 0 for device or pageable."""
+    registered: bool = False
+    """Host memory registered with the driver (``host_memory="exact"``): nothing but the program keeps it alive
+    while a copy uses it (torch's caching pinned allocator records events and defers reuse; registered memory
+    has no such guard)."""
     finalizer: weakref.finalize[[int, StorageRecord], torch.Tensor] | None = field(default=None, repr=False)
     is_host: bool = field(init=False)
     """Flags precomputed from ``kind``: the copy path tests them on every call."""
@@ -119,13 +123,18 @@ class MemoryRegistry:
     """
 
     def __init__(
-        self, on_forget: Callable[[int], None], on_collect: Callable[[int, StorageRecord], None] | None = None
+        self,
+        on_forget: Callable[[int], None],
+        on_collect: Callable[[int, StorageRecord], None] | None = None,
+        on_host_freed: Callable[[int, StorageRecord], None] | None = None,
     ) -> None:
         self.records: dict[int, StorageRecord] = {}
         """Registered storages by :func:`storage_key`; read directly on hot paths, changed only through methods."""
         self._on_forget = on_forget
         self._on_collect = on_collect
         """Told about a device storage whose tensor was collected, before its bytes are uncounted."""
+        self._on_host_freed = on_host_freed
+        """Told about a registered host buffer the program let go of, before its history is forgotten."""
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self.pinned_bytes = 0
@@ -179,6 +188,8 @@ class MemoryRegistry:
             del self.records[key]
             if self._on_collect is not None and record.kind is MemoryKind.DEVICE:
                 self._on_collect(key, record)
+            if self._on_host_freed is not None and record.registered:
+                self._on_host_freed(key, record)
             self.uncount(record)
             self.pinned_bytes -= record.pinned_bytes
             self._on_forget(key)
