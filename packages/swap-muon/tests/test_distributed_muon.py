@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.errors import StateDictMismatchError, UnsupportedOptimizerError
@@ -300,6 +301,45 @@ def _masters_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], mode:
     check(resumed_params, resumed, f"{where}, resumed")
 
 
+class _CountReads(TorchFunctionMode):
+    """Counts ``.item()`` reads of one tensor."""
+
+    def __init__(self, watched: torch.Tensor) -> None:
+        super().__init__()
+        self.watched = watched
+        self.reads = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.item and args and args[0] is self.watched:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tensor_lr_body(rank: int, world_size: int) -> None:
+    """A tensor ``lr``: bitwise torch's Muon, read once per step (``.item()`` syncs where it lives), not per batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+    options = {**OPTIONS, "lr": torch.tensor(0.02)}
+    reference_params = [torch.nn.Parameter(weight) for weight in _full(0)]
+    reference = torch.optim.Muon(reference_params, **options)
+    sharded = _model(mesh, use_fully_shard=False)
+    config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=3, min_numel=16)
+    opt = swap_optimizer(torch.optim.Muon(sharded, **{**options, "lr": torch.tensor(0.02)}), config)
+    for step in range(3):
+        for param, reference_param, grad in zip(sharded, reference_params, _full(300 + step), strict=True):
+            reference_param.grad = grad
+            param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+        reference.step()
+        with _CountReads(opt.param_groups[0]["lr"]) as counted:
+            opt.step()
+        assert counted.reads == 1, f"rank {rank}: the tensor lr was read {counted.reads} times in one step of 3 batches"
+    opt.synchronize()
+    for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
+        assert_bitwise_equal(reference_param, param.full_tensor(), f"rank {rank}: parameter {index}")  # type: ignore[attr-defined]
+
+
 def _two_rank_checks(rank: int, world_size: int) -> None:
     """One process group for every 2-rank check (starting ranks costs more than the checks)."""
     _row_exchange_body(rank, world_size)
@@ -311,6 +351,7 @@ def _two_rank_checks(rank: int, world_size: int) -> None:
     _edited_params_body(rank, world_size)
     _masters_body(rank, world_size, (2,), "lazy")
     _masters_body(rank, world_size, (2,), "random")
+    _tensor_lr_body(rank, world_size)
 
 
 def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:

@@ -17,7 +17,8 @@ lives inside the shard group; each replica group repeats it on identical data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +60,8 @@ class DistributedMuonAdapter(StateSwapAdapter):
             [shape for shape, _ in self._planned], [dtype for _, dtype in self._planned], self.shards.size
         )
         _check_same_plan(self.plan)
+        self._step_lrs: dict[int, float] = {}
+        """Each param group's learning rate for the step running now (by the group's identity)."""
 
     def params_changed(self, params: Sequence[torch.Tensor]) -> None:
         """New parameter objects of the same shapes and dtypes, in the same order, keep the owner plan."""
@@ -80,6 +83,20 @@ class DistributedMuonAdapter(StateSwapAdapter):
             return {}
         return {"momentum_buffer": StateInit(tuple(param.shape), param.dtype, 0.0, shard_like_param=False)}
 
+    def step_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Each param group's learning rate read once per step: a tensor ``lr`` is one host read (``.item()``, a
+        device sync where it lives on the device) per group and step, as ``torch.optim.Muon``'s own step reads
+        it, not one per batch."""
+        return self._learning_rates_of_this_step()
+
+    @contextlib.contextmanager
+    def _learning_rates_of_this_step(self) -> Iterator[None]:
+        self._step_lrs = {id(group): _scalar(group["lr"]) for group in self.optimizer.param_groups}
+        try:
+            yield
+        finally:
+            self._step_lrs = {}
+
     def partition_costs(self, params: Sequence[torch.Tensor]) -> Sequence[int]:
         return [state_bytes(param.shape, param.dtype) for param in params]
 
@@ -91,7 +108,9 @@ class DistributedMuonAdapter(StateSwapAdapter):
         over fp32 masters, and every rank applies its rows of the update to its shard of the master.
         """
         group = batch.group
-        lr = float(group["lr"].item()) if torch.is_tensor(group["lr"]) else float(group["lr"])
+        lr = self._step_lrs.get(id(group))
+        if lr is None:  # an update outside a step's scope
+            lr = _scalar(group["lr"])
         owners = [self.owner_of(param) for param in batch.model_params or batch.params]
         full_grads = self._gather_to_owners(batch.params, batch.grads, owners)
         updates = [
@@ -148,6 +167,11 @@ def _owner_update(full_grad: torch.Tensor, buffer: torch.Tensor, group: dict[str
         update, group["ns_coefficients"], group["ns_steps"], group["eps"]
     )
     return orthogonalized
+
+
+def _scalar(lr: float | torch.Tensor) -> float:
+    """A learning rate as a Python float (a tensor ``lr`` is read from wherever it lives)."""
+    return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
 
 
 def _kinds(params: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
