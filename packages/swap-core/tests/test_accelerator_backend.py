@@ -9,6 +9,8 @@ import contextlib
 import gc
 import re
 import sys
+import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -19,8 +21,11 @@ from torch.overrides import TorchFunctionMode
 
 import swap_core.backends.accelerator as accelerator
 from swap_core.backends.accelerator import SUPPORTED_DEVICE_TYPES, AcceleratorBackend
+from swap_core.backends.host_memory import PAGE_BYTES, pinned_size
+from swap_core.backends.host_registration import HostRegistrar, _CudaHostRegistrar, host_registrar
 from swap_core.backends.protocol import DeviceBackend
 from swap_core.errors import PinnedMemoryWarning
+from swap_core.torch_compat import TorchCompatError, clear_cuda_last_error
 
 
 class FakeStream:
@@ -52,12 +57,18 @@ class FakeEvent:
 
 
 class FakeDeviceModule:
-    """Stands in for ``torch.cuda`` so the backend's own logic runs on CPU; records what it is asked."""
+    """Stands in for ``torch.cuda`` so the backend's own logic runs on CPU; records what it is asked.
+
+    ``log`` orders what the device and a :class:`FakeRegistrar` over it did, each with the current
+    device index at the time (``device(index)`` changes it for its block).
+    """
 
     def __init__(self) -> None:
         self.current = FakeStream()
         self.entered_streams: list[object] = []
         self.calls: list[tuple[str, torch.device]] = []
+        self.current_index = 1
+        self.log: list[tuple[str, object, int]] = []
 
     def is_available(self) -> bool:
         return True
@@ -66,7 +77,15 @@ class FakeDeviceModule:
         return 2
 
     def current_device(self) -> int:
-        return 1
+        return self.current_index
+
+    @contextlib.contextmanager
+    def device(self, device: int) -> Iterator[None]:
+        previous, self.current_index = self.current_index, device
+        try:
+            yield
+        finally:
+            self.current_index = previous
 
     def Stream(self, device: torch.device) -> FakeStream:
         return FakeStream(device)
@@ -84,6 +103,7 @@ class FakeDeviceModule:
 
     def synchronize(self, device: torch.device) -> None:
         self.calls.append(("synchronize", device))
+        self.log.append(("synchronize", device, self.current_index))
 
     def memory_allocated(self, device: torch.device) -> int:
         self.calls.append(("memory_allocated", device))
@@ -102,11 +122,12 @@ class FakeDeviceModule:
 
 
 class RecordCopies(TorchFunctionMode):
-    """Records the ``non_blocking`` flag of every ``Tensor.copy_`` issued inside it."""
+    """Records the ``non_blocking`` flag and the operands' layouts of every ``Tensor.copy_`` issued inside it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.non_blocking: list[bool] = []
+        self.layouts: list[tuple[tuple[int, ...], bool, bool]] = []
 
     def __torch_function__(
         self,
@@ -118,6 +139,8 @@ class RecordCopies(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_:
             self.non_blocking.append(bool(kwargs.get("non_blocking", False)))
+            dst, src = args[0], args[1]
+            self.layouts.append((tuple(dst.shape), dst.is_contiguous(), src.is_contiguous()))
         return func(*args, **kwargs)
 
 
@@ -244,21 +267,27 @@ def test_pinned_allocation_is_used_when_it_works(
 
 
 class FakeRegistrar:
-    """Stands in for cudaHostRegister / cudaHostUnregister; records the page-aligned ranges."""
+    """Stands in for cudaHostRegister / cudaHostUnregister; records the page-aligned ranges (and, given the
+    device module, each call in its ``log`` with the current device index)."""
 
-    def __init__(self, refuse: bool = False) -> None:
+    def __init__(self, refuse: bool = False, module: FakeDeviceModule | None = None) -> None:
         self.refuse = refuse
+        self.module = module
         self.registered: dict[int, int] = {}
         self.unregistered: list[int] = []
 
     def register(self, address: int, nbytes: int) -> None:
         if self.refuse:
             raise RuntimeError("cudaHostRegister returned cudaErrorHostMemoryAlreadyRegistered (test)")
-        assert address % 4096 == 0, "registered memory must be page-aligned"
+        assert address % PAGE_BYTES == 0, "registered memory must be page-aligned"
         self.registered[address] = nbytes
+        if self.module is not None:
+            self.module.log.append(("register", address, self.module.current_index))
 
     def unregister(self, address: int) -> None:
         self.unregistered.append(address)
+        if self.module is not None:
+            self.module.log.append(("unregister", address, self.module.current_index))
 
 
 def test_exact_host_buffers_pin_their_size_to_the_page_until_the_last_view_is_gone() -> None:
@@ -269,8 +298,8 @@ def test_exact_host_buffers_pin_their_size_to_the_page_until_the_last_view_is_go
         warnings.simplefilter("error")
         buffer = backend.empty_host(numel, torch.float32)
     assert buffer.shape == (numel,) and buffer.dtype == torch.float32
-    assert list(registrar.registered.values()) == [10 * 2**20 + 4096]
-    assert backend.pinned_bytes(buffer) == 10 * 2**20 + 4096  # the caching allocator would pin 16 MiB
+    assert list(registrar.registered.values()) == [10 * 2**20 + PAGE_BYTES]
+    assert backend.pinned_bytes(buffer) == 10 * 2**20 + PAGE_BYTES  # the caching allocator would pin 16 MiB
     view = buffer[5:9].view(2, 2)
     view.fill_(3.0)
     del buffer
@@ -301,6 +330,225 @@ def test_exact_host_memory_falls_back_to_the_caching_allocator_and_warns_once(
     assert [backend.pinned_bytes(buffer) for buffer in buffers] == [32, 4096]
 
 
+class FakeCudaError(int):
+    """torch's ``cudaError`` enum binds only ``success``: any other status prints as ``cudaError.???``."""
+
+    def __repr__(self) -> str:
+        return "cudaError.success" if self == 0 else "cudaError.???"
+
+    __str__ = __repr__
+
+
+class FakeCudart:
+    """Stands in for ``torch.cuda.cudart()``: a refused ``cudaHostRegister`` becomes the thread's last error, which
+    the next kernel launch raises, as the CUDA runtime and torch's launch check do."""
+
+    ERROR_TEXT = {712: "part or all of the requested memory range is already mapped"}
+    cudaError = FakeCudaError
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.refuse = refuse
+        self.last_error = 0
+        self.registered: list[tuple[int, int, int]] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> FakeCudaError:
+        if self.refuse:
+            self.last_error = self.refuse
+            return FakeCudaError(self.refuse)
+        self.registered.append((address, nbytes, flags))
+        return FakeCudaError(0)
+
+    def cudaHostUnregister(self, address: int) -> FakeCudaError:
+        return FakeCudaError(0)
+
+    def cudaGetErrorString(self, error: FakeCudaError) -> str:
+        return self.ERROR_TEXT.get(int(error), "unknown error")
+
+    def get_last_error(self) -> int:
+        """``cudaGetLastError``: the last error, reset to success."""
+        error, self.last_error = self.last_error, 0
+        return error
+
+    def launch_kernel(self) -> None:
+        if self.last_error:
+            raise RuntimeError(f"CUDA error: {self.ERROR_TEXT[self.last_error]}")
+
+
+def test_a_refused_cuda_registration_resets_the_last_error_and_says_which_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fallback's first kernel launch must not raise the registration's error; the warning names it."""
+    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    cudart = FakeCudart(refuse=712)
+    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
+    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    with pytest.warns(PinnedMemoryWarning) as caught:
+        buffer = backend.empty_host(1000, torch.float32)
+    message = str(caught[0].message)
+    assert (
+        f"cudaHostRegister({PAGE_BYTES} bytes) failed with CUDA error 712: "
+        "part or all of the requested memory range is already mapped" in message
+    )
+    assert "???" not in message
+    cudart.launch_kernel()
+    assert backend.pinned_bytes(buffer) == 4096  # the caching allocator's rounding of 4000 bytes
+
+
+def test_the_bindings_own_cuda_get_last_error_is_preferred() -> None:
+    """A torch that binds ``cudaGetLastError`` needs no search of the loaded runtime library."""
+    cudart = FakeCudart(refuse=712)
+    cudart.cudaGetLastError = cudart.get_last_error  # type: ignore[attr-defined]
+
+    def search_the_runtime_library() -> int:
+        raise AssertionError("the runtime library was searched although the binding has cudaGetLastError")
+
+    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=search_the_runtime_library)
+    with pytest.raises(RuntimeError, match="CUDA error 712"):
+        registrar.register(PAGE_BYTES, PAGE_BYTES)
+    cudart.launch_kernel()
+
+
+def test_a_refused_registration_whose_error_cannot_be_reset_is_raised_instead_of_falling_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    cudart = FakeCudart(refuse=712)
+
+    def no_runtime_library() -> int:
+        raise TorchCompatError("no cudaGetLastError found (test). Use SwapConfig(host_memory='caching')")
+
+    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=no_runtime_library)
+    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    with pytest.raises(TorchCompatError) as raised:
+        backend.empty_host(1000, torch.float32)
+    assert str(raised.value) == (
+        f"cudaHostRegister({PAGE_BYTES} bytes) failed with CUDA error 712: part or all of the requested memory "
+        "range is already mapped; no cudaGetLastError found (test). Use SwapConfig(host_memory='caching')"
+    )
+
+
+def _drop_in_another_thread(holder: list[torch.Tensor]) -> None:
+    """Let the last reference to the buffers in ``holder`` die on a thread of its own, as a finalizer may."""
+
+    def drop() -> None:
+        holder.clear()
+        gc.collect()
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    thread.join()
+
+
+def test_exact_buffers_are_registered_and_unregistered_on_the_backends_device_from_any_thread() -> None:
+    """The thread's current device is 1, the backend's is 0: both runtime calls run under device 0's guard."""
+    module = FakeDeviceModule()
+    registrar = FakeRegistrar(module=module)
+    backend = AcceleratorBackend._from_module("cuda", module, device_index=0, registrar=registrar)
+    holder = [backend.empty_host(1000, torch.float32)]
+    (address,) = registrar.registered
+    assert module.log == [("register", address, 0)]
+    assert module.current_device() == 1, "registering changed the thread's current device"
+    _drop_in_another_thread(holder)
+    assert module.log[1:] == [("synchronize", torch.device("cuda", 0), 0), ("unregister", address, 0)]
+    assert module.current_device() == 1
+
+
+def test_a_buffer_dropped_while_a_copy_may_still_write_it_is_unregistered_once_the_device_is_idle() -> None:
+    """``opt.step(); del opt``: the last copy out to the buffer may still run; nothing else waits for it."""
+    module = FakeDeviceModule()
+    registrar = FakeRegistrar(module=module)
+    backend = AcceleratorBackend._from_module("cuda", module, registrar=registrar)
+    host = backend.empty_host(1000, torch.float32)
+    backend.copy(host, torch.ones(1000), stream=backend.new_stream())
+    (address,) = registrar.registered
+    del host
+    gc.collect()
+    assert module.log[1:] == [("synchronize", torch.device("cuda", 1), 1), ("unregister", address, 1)]
+
+
+def test_a_failed_unregistration_is_a_warning_and_the_range_is_still_unregistered() -> None:
+    module = FakeDeviceModule()
+
+    def broken_synchronize(device: torch.device) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
+
+    module.synchronize = broken_synchronize  # type: ignore[method-assign]
+    registrar = FakeRegistrar(module=module)
+    backend = AcceleratorBackend._from_module("cuda", module, registrar=registrar)
+    host = backend.empty_host(10, torch.float32)
+    (address,) = registrar.registered
+    with pytest.warns(PinnedMemoryWarning, match="illegal memory access was encountered"):
+        del host
+        gc.collect()
+    assert registrar.unregistered == [address]
+
+
+class FakeNpurt:
+    """Stands in for torch_npu's ``torch.npu.npurt()``: statuses are plain ints, 0 for success."""
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.refuse = refuse
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+
+    def npuHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        if self.refuse:
+            return self.refuse
+        self.registered.append((address, nbytes, flags))
+        return 0
+
+    def npuHostUnregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0
+
+
+def _npu_registrar(monkeypatch: pytest.MonkeyPatch, npu_namespace: types.SimpleNamespace) -> HostRegistrar:
+    """The registrar ``host_registrar("npu")`` finds with ``torch.npu`` as given (torch_npu's module, faked)."""
+    monkeypatch.setattr(torch, "npu", npu_namespace, raising=False)
+    registrar = host_registrar("npu")
+    assert registrar is not None
+    return registrar
+
+
+def test_npu_pins_exact_buffers_through_torch_npus_npurt(monkeypatch: pytest.MonkeyPatch) -> None:
+    npurt = FakeNpurt()
+    registrar = _npu_registrar(monkeypatch, types.SimpleNamespace(npurt=lambda: npurt))
+    module = FakeDeviceModule()
+    # torch.device("npu") needs torch_npu itself: a cuda-named fake device drives the npu registrar.
+    backend = AcceleratorBackend._from_module("cuda", module, device_index=0, registrar=registrar)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buffer = backend.empty_host(1000, torch.float32)
+    address = buffer.data_ptr()
+    assert npurt.registered == [(address, PAGE_BYTES, 0x10000000)]  # ACL_HOST_REG_PINNED: page-locking only
+    assert backend.pinned_bytes(buffer) == pinned_size(4000, "exact")
+    del buffer
+    gc.collect()
+    assert npurt.unregistered == [address]
+    assert module.log == [("synchronize", torch.device("cuda", 0), 0)]
+
+
+def test_a_refused_npu_registration_falls_back_to_the_caching_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    registrar = _npu_registrar(monkeypatch, types.SimpleNamespace(npurt=lambda: FakeNpurt(refuse=107000)))
+    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    with pytest.warns(PinnedMemoryWarning, match="registering it with the driver failed") as caught:
+        buffer = backend.empty_host(1000, torch.float32)
+    assert f"npuHostRegister({PAGE_BYTES} bytes) failed with ACL error 107000" in str(caught[0].message)
+    assert backend.pinned_bytes(buffer) == 4096
+
+
+def test_npu_has_a_registrar_only_where_torch_npu_offers_npurt_and_is_never_imported_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(), raising=False)  # a torch_npu without npurt
+    assert host_registrar("npu") is None
+    monkeypatch.delattr(torch, "npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # an import would raise
+    assert host_registrar("npu") is None
+    assert host_registrar("xpu") is None
+
+
 # -- copies, streams, events ------------------------------------------------------
 def test_copy_runs_under_the_given_stream_and_blocks_for_pageable_memory(
     fake_backend: AcceleratorBackend, fake_module: FakeDeviceModule
@@ -312,6 +560,120 @@ def test_copy_runs_under_the_given_stream_and_blocks_for_pageable_memory(
     assert fake_module.entered_streams == [copy_stream]
     assert recorded.non_blocking == [False]
     assert dst.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_copies_of_empty_host_buffers_know_they_are_pinned_without_asking_the_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``is_pinned()`` is a driver query per copy on CUDA: the buffers ``empty_host`` pinned (and their views) are
+    known; any other host tensor is still asked."""
+    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=FakeRegistrar())
+    exact = backend.empty_host(64, torch.float32)
+    caching = backend.empty_host(64, torch.float32, mode="caching")
+    pageable = torch.zeros(64)
+    asked: list[int] = []
+    is_pinned = torch.Tensor.is_pinned
+
+    def counted_is_pinned(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        asked.append(tensor.data_ptr())
+        return bool(is_pinned(tensor, *args, **kwargs))
+
+    stream = backend.new_stream()
+    with RecordCopies() as recorded:
+        backend.copy(exact[8:16].view(2, 4), caching[:8].view(2, 4), stream=stream)
+        backend.copy(pageable, exact, stream=stream)
+    assert recorded.non_blocking == [True, False]
+    assert torch.equal(pageable[8:16], caching[:8])
+    monkeypatch.setattr(torch.Tensor, "is_pinned", counted_is_pinned)  # outside the mode, which would count twice
+    backend.copy(exact[8:16].view(2, 4), caching[:8].view(2, 4), stream=stream)
+    backend.copy(pageable, exact, stream=stream)
+    assert asked == [pageable.data_ptr()], "the driver was asked about a buffer empty_host pinned"
+
+
+def test_copy_enters_the_stream_only_when_it_is_not_already_current(
+    fake_backend: AcceleratorBackend, fake_module: FakeDeviceModule
+) -> None:
+    dst, src = torch.zeros(4), torch.arange(4.0)
+    fake_backend.copy(dst, src, stream=fake_backend.compute_stream())
+    assert fake_module.entered_streams == []
+    assert dst.tolist() == [0.0, 1.0, 2.0, 3.0]
+    side = fake_backend.new_stream()
+    fake_backend.copy(dst, src * 2, stream=side)
+    assert fake_module.entered_streams == [side]
+    assert dst.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def _channels_last(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer[:120].view(2, 5, 4, 3).permute(0, 3, 1, 2)  # NCHW (2, 3, 5, 4) stored as NHWC
+
+
+def _transposed(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer[:12].view(3, 4).t()
+
+
+def _transposed_at_an_offset(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer[7:19].view(3, 4).t()
+
+
+def _every_other_column(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer[:24].view(4, 6)[:, ::2]
+
+
+def _contiguous(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer[7:19].view(4, 3)
+
+
+@pytest.mark.parametrize(
+    ("dst_layout", "src_layout", "copied"),
+    [
+        (_channels_last, _channels_last, ((120,), True, True)),
+        (_transposed, _transposed, ((12,), True, True)),
+        (_transposed_at_an_offset, _transposed_at_an_offset, ((12,), True, True)),
+        (_transposed, _transposed_at_an_offset, ((12,), True, True)),  # one layout at another offset: still flat
+        (_every_other_column, _every_other_column, ((4, 3), False, False)),  # not dense
+        (_contiguous, _transposed, ((4, 3), True, False)),  # different strides
+        (_contiguous, _contiguous, ((4, 3), True, True)),
+    ],
+    ids=["channels-last", "transposed", "transposed-offset", "offsets-differ", "not-dense", "strides-differ", "plain"],
+)
+def test_dense_copies_of_one_non_contiguous_layout_are_flat_copies_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_module: FakeDeviceModule,
+    dst_layout: Callable[[torch.Tensor], torch.Tensor],
+    src_layout: Callable[[torch.Tensor], torch.Tensor],
+    copied: tuple[tuple[int, ...], bool, bool],
+) -> None:
+    """torch_npu copies host<->device directly only for contiguous tensors: same-layout dense ones go as 1-D.
+
+    (An npu device cannot be made without torch_npu: the fake cuda backend is told to copy as npu does.)
+    """
+    monkeypatch.setattr(accelerator, "_FLAT_COPY_DEVICE_TYPES", frozenset({"cuda"}))
+    fake_backend = AcceleratorBackend._from_module("cuda", fake_module)
+    source = torch.arange(1.0, 129.0)
+    destination, expected = torch.zeros(128), torch.zeros(128)
+    dst_layout(expected).copy_(src_layout(source))
+    with RecordCopies() as recorded:
+        fake_backend.copy(dst_layout(destination), src_layout(source), stream=fake_backend.new_stream())
+    assert torch.equal(destination, expected), "the copy wrote other elements, or other bytes, than a strided one"
+    assert recorded.layouts == [copied]
+
+
+def test_cuda_copies_a_non_contiguous_layout_as_it_is(fake_backend: AcceleratorBackend) -> None:
+    """CUDA copies dense same-layout pairs directly: flattening them would only cost host time."""
+    source, destination = torch.arange(1.0, 129.0), torch.zeros(128)
+    with RecordCopies() as recorded:
+        fake_backend.copy(_transposed(destination), _transposed(source), stream=fake_backend.new_stream())
+    assert recorded.layouts == [((4, 3), False, False)]
+    assert torch.equal(_transposed(destination), _transposed(source))
+
+
+def test_a_step_refuses_to_be_captured_in_a_cuda_graph(
+    fake_backend: AcceleratorBackend, fake_module: FakeDeviceModule
+) -> None:
+    assert not fake_backend.is_capturing(), "a device module without the query captures nothing"
+    fake_module.is_current_stream_capturing = lambda: True  # type: ignore[attr-defined]
+    assert fake_backend.is_capturing()
 
 
 def test_streams_and_events_go_to_the_device_module(
@@ -409,8 +771,8 @@ def real_backend(backend_name: str) -> AcceleratorBackend:
 
 @pytest.mark.parametrize("mode", ["exact", "caching"])
 def test_real_pinned_round_trip_through_copy_streams(real_backend: AcceleratorBackend, mode: str) -> None:
-    if mode == "exact" and real_backend.name != "cuda":
-        pytest.skip(f"{real_backend.name} has no public host-registration API: exact falls back to caching")
+    if mode == "exact" and host_registrar(real_backend.name) is None:
+        pytest.skip(f"{real_backend.name} has no public host-registration API here: exact falls back to caching")
     with warnings.catch_warnings():
         warnings.simplefilter("error", PinnedMemoryWarning)
         host = real_backend.empty_host(1 << 16, torch.float32, mode=mode)  # type: ignore[arg-type]
@@ -436,20 +798,103 @@ def test_real_exact_buffers_pin_to_the_page_outside_torchs_allocator_and_unregis
 ) -> None:
     """100 allocate/free cycles of a 3 MiB + 20 B buffer: pinned, page-rounded, never in torch's host allocator;
     a registration left behind would make the next one at the same address fail (warnings are errors here)."""
-    if real_backend.name != "cuda":
-        pytest.skip("exact-size pinning registers memory through the CUDA runtime")
-    allocator_bytes = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    if host_registrar(real_backend.name) is None:
+        pytest.skip(f"{real_backend.name} has no public host-registration API here: exact falls back to caching")
+    host_memory_stats = getattr(torch.get_device_module(real_backend.name), "host_memory_stats", dict)
+    allocator_bytes = host_memory_stats().get("allocated_bytes.current", 0)
     numel = (3 << 20) // 4 + 5
     with warnings.catch_warnings():
         warnings.simplefilter("error", PinnedMemoryWarning)
         for _ in range(100):
             buffer = real_backend.empty_host(numel, torch.float32)
             assert buffer.is_pinned()
-            assert real_backend.pinned_bytes(buffer) == (3 << 20) + 4096
+            assert real_backend.pinned_bytes(buffer) == (3 << 20) + PAGE_BYTES
             buffer.fill_(1.0)
             del buffer
             gc.collect()
-    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == allocator_bytes
+    assert host_memory_stats().get("allocated_bytes.current", 0) == allocator_bytes
+
+
+def test_real_refused_registration_leaves_no_error_for_the_next_kernel(real_backend: AcceleratorBackend) -> None:
+    """Registering a registered range again is refused (cudaErrorHostMemoryAlreadyRegistered): the message names
+    the error, and the next kernel launch does not raise it."""
+    if real_backend.name != "cuda":
+        pytest.skip("CUDA's per-thread last error")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PinnedMemoryWarning)
+        buffer = real_backend.empty_host(PAGE_BYTES // 4, torch.float32)
+    runtime = host_registrar("cuda")
+    assert runtime is not None
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister\(\d+ bytes\) failed with CUDA error \d+: \w"):
+        runtime.register(buffer.data_ptr(), PAGE_BYTES)
+    assert clear_cuda_last_error() == 0, "the refusal's error was left set for the next kernel launch"
+    assert torch.ones(4, device=real_backend.device).mul_(2).sum().item() == 8.0
+
+
+def test_real_exact_buffers_register_on_the_backends_device_from_any_thread(real_backend: AcceleratorBackend) -> None:
+    """A backend on device 1 while the thread's current device is 0 (torchrun without set_device): registered,
+    copied and unregistered (on another thread) without a warning, the current device left as it was."""
+    if host_registrar(real_backend.name) is None:
+        pytest.skip(f"{real_backend.name} has no public host-registration API here")
+    module = torch.get_device_module(real_backend.name)
+    if module.device_count() < 2:
+        pytest.skip("needs two devices: the backend's must differ from the thread's current one")
+    values = torch.arange(1 << 20, dtype=torch.float32)
+    with module.device(0), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = AcceleratorBackend(real_backend.name, 1)
+        holder = [backend.empty_host(1 << 20, torch.float32)]
+        assert module.current_device() == 0
+        holder[0].copy_(values)
+        device_tensor = backend.empty((1 << 20,), torch.float32)
+        h2d = backend.new_stream()
+        backend.wait_event(h2d, backend.record_event(backend.compute_stream()))
+        backend.copy(device_tensor, holder[0], stream=h2d)
+        backend.record_event(h2d).synchronize()
+        _drop_in_another_thread(holder)
+        assert module.current_device() == 0
+        assert torch.equal(device_tensor.cpu(), values)
+    assert [str(w.message) for w in caught if issubclass(w.category, PinnedMemoryWarning)] == []
+
+
+def test_real_a_buffer_dropped_during_its_copy_out_is_unregistered_once_the_copy_is_done(
+    real_backend: AcceleratorBackend,
+) -> None:
+    """``opt.step(); del opt``: a 256 MiB copy out is still running when its buffer is dropped."""
+    if host_registrar(real_backend.name) is None:
+        pytest.skip(f"{real_backend.name} has no public host-registration API here")
+    numel = 64 << 20
+    device_tensor = torch.full((numel,), 3.0, device=real_backend.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PinnedMemoryWarning)
+        host = real_backend.empty_host(numel, torch.float32)
+    d2h = real_backend.new_stream()
+    real_backend.wait_event(d2h, real_backend.record_event(real_backend.compute_stream()))
+    real_backend.copy(host, device_tensor, stream=d2h)
+    copied = real_backend.record_event(d2h)
+    del host
+    gc.collect()
+    assert copied.query(), "the buffer was unregistered and unmapped while its copy could still write it"
+    assert device_tensor.sum().item() == 3.0 * numel
+
+
+def test_real_channels_last_states_copy_both_ways(real_backend: AcceleratorBackend) -> None:
+    """A channels-last state and its host mirror of the same layout: copied (flat) and back, values intact."""
+    host = real_backend.empty_host(2 * 3 * 32 * 32, torch.float32)
+    host_view = host.view(2, 32, 32, 3).permute(0, 3, 1, 2)
+    host_view.copy_(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
+    expected = host_view.clone()
+    device_tensor = torch.empty_like(host_view, device=real_backend.device)
+    assert device_tensor.stride() == host_view.stride()
+    compute, h2d, d2h = real_backend.compute_stream(), real_backend.new_stream(), real_backend.new_stream()
+    real_backend.wait_event(h2d, real_backend.record_event(compute))
+    real_backend.copy(device_tensor, host_view, stream=h2d)
+    real_backend.wait_event(compute, real_backend.record_event(h2d))
+    device_tensor.mul_(2)
+    real_backend.wait_event(d2h, real_backend.record_event(compute))
+    real_backend.copy(host_view, device_tensor, stream=d2h)
+    real_backend.record_event(d2h).synchronize()
+    assert torch.equal(host_view, expected * 2)
 
 
 def test_real_release_and_restore_change_allocated_bytes(real_backend: AcceleratorBackend) -> None:

@@ -4,6 +4,10 @@ is too small (all exact on the simulator, which models what a real device pins).
 from __future__ import annotations
 
 import copy
+import mmap
+import subprocess
+import sys
+import textwrap
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -41,6 +45,32 @@ def test_pinned_sizes_round_to_the_page_or_to_a_power_of_two() -> None:
     assert pinned_size(16 * MIB, "caching") == pinned_size(16 * MIB, "exact") == 16 * MIB
     assert pinned_size(1, "exact") == PAGE_BYTES and pinned_size(1, "caching") == 1
     assert pinned_size(0, "exact") == pinned_size(0, "caching") == 0
+    assert PAGE_BYTES == mmap.PAGESIZE
+
+
+def test_exact_pinning_rounds_to_the_hosts_page_where_it_is_64_kib() -> None:
+    """Pages are 64 KiB on many aarch64 hosts (GH200): a host like that, simulated in a process of its own."""
+    script = textwrap.dedent(
+        """
+        import mmap
+        mmap.PAGESIZE = 65536
+        import torch
+        from swap_core.backends.host_memory import PAGE_BYTES, pinned_size
+        from swap_core.backends.host_registration import registered_host_buffer
+
+        class Registrar:
+            def register(self, address, nbytes):
+                print(nbytes)
+            def unregister(self, address):
+                pass
+
+        print(PAGE_BYTES, pinned_size(1, "exact"), pinned_size(65537, "exact"), pinned_size(65537, "caching"))
+        registered_host_buffer(10, torch.float32, Registrar())
+        """
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["65536", "65536", "131072", "131072", "65536"]
 
 
 def test_the_host_reports_its_available_memory() -> None:
@@ -74,7 +104,7 @@ def test_every_dtype_buffer_is_rounded_on_its_own() -> None:
     fp32, bf16 = 12032 + 12000, 10048 + 10000
     assert optimizer.stats.host_state_bytes == fp32 + bf16
     assert optimizer.stats.host_pinned_bytes == pinned_size(fp32, "exact") + pinned_size(bf16, "exact")
-    assert optimizer.stats.host_pinned_bytes == (6 + 5) * PAGE_BYTES == sim.host_pinned_bytes()
+    assert optimizer.stats.host_pinned_bytes == sim.host_pinned_bytes()  # (6 + 5) pages of 4 KiB, 2 of 64 KiB
 
 
 def test_a_failed_registration_falls_back_to_the_caching_rounding_and_warns_once() -> None:
@@ -98,7 +128,8 @@ def test_a_host_too_small_is_refused_before_anything_is_allocated_or_changed() -
     reference = torch.optim.RMSprop(reference_params, lr=1e-2)
     optimizer = swap_optimizer(torch.optim.RMSprop(params, lr=1e-2), SwapConfig(backend=sim, min_numel=16))
     _grads(params, 0)
-    with pytest.raises(HostMemoryError, match=r"needs 0\.00 GiB \(118784 bytes\) of pinned host memory") as raised:
+    needed = pinned_size(29_000 * 4, "exact")  # both square_avgs in one buffer: 29 pages of 4 KiB, 2 of 64 KiB
+    with pytest.raises(HostMemoryError, match=rf"needs 0\.00 GiB \({needed} bytes\) of pinned host memory") as raised:
         optimizer.step()
     message = str(raised.value)
     assert "host has 0.00 GiB (65536 bytes) available" in message and "Nothing was allocated" in message

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from swap_core.backends.host_memory import PAGE_BYTES
 from swap_core.backends.protocol import DeviceBackend, Event
 from swap_core.errors import PinnedMemoryWarning, SimRaceError
 from swap_core.sim import MemoryKind, SimBackend
@@ -100,13 +101,13 @@ def test_host_memory_is_not_device_memory() -> None:
 
 def test_pinned_host_bytes_and_their_peak_follow_buffers_exactly() -> None:
     sim = SimBackend(mode="sync")
-    first = sim.empty_host(1000, torch.float32)  # 4000 bytes: one page exact, 4096 caching
+    first = sim.empty_host(1000, torch.float32)  # 4000 bytes: one page exact (4 KiB, 64 KiB on some aarch64)
     second = sim.empty_host(5000, torch.float32, mode="caching")  # 20000 bytes: 32768 caching
     view = second[10:20]
-    assert sim.host_pinned_bytes() == sim.max_host_pinned_bytes() == 4096 + 32768
+    assert sim.host_pinned_bytes() == sim.max_host_pinned_bytes() == PAGE_BYTES + 32768
     del first
     gc.collect()
-    assert sim.host_pinned_bytes() == 32768 and sim.max_host_pinned_bytes() == 4096 + 32768
+    assert sim.host_pinned_bytes() == 32768 and sim.max_host_pinned_bytes() == PAGE_BYTES + 32768
     sim.reset_peak_memory_stats()
     assert sim.max_host_pinned_bytes() == 32768
     del second

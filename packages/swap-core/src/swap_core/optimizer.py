@@ -18,7 +18,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 
@@ -90,6 +90,14 @@ Layout = tuple[list[int], list[int]]
 
 _MirrorCheck = tuple[int, list[dict[str, Any]], list[str], list[torch.Tensor | None]]
 """``(store version, state entry, key and host mirror of each swapped state)``; dropped with its store."""
+
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def _never_compiled(function: _Function) -> _Function:
+    """``torch.compiler.disable(function)``, typed as ``function`` (torch leaves the decorator untyped)."""
+    return cast("_Function", torch.compiler.disable(function))  # type: ignore[no-untyped-call]
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -292,9 +300,23 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
 
     # -- step -----------------------------------------------------------------
+    @_never_compiled
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Update every parameter with a gradient; swapped states stream through the device."""
+        """Update every parameter with a gradient; swapped states stream through the device.
+
+        Not compiled: ``torch.compile(opt.step)`` runs it as it is (its streams, events and host buffers are
+        orchestration no graph can hold; compile the model, and the adapters' own kernels stay torch's). Not
+        capturable either: called while the current stream captures a CUDA graph, it refuses before anything
+        changes.
+        """
+        if self.backend is not None and self.backend.is_capturing():
+            raise RuntimeError(
+                "A swapped optimizer's step() cannot be captured in a CUDA graph: it copies states between host "
+                "memory and the device and orders streams with events on every call. Capture the forward and "
+                "backward only and call step() outside the graph, or use an unswapped optimizer with "
+                "capturable=True for a fully captured step"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

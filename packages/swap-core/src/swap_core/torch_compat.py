@@ -10,9 +10,12 @@ Checked against torch 2.13.0.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import gc
 import importlib
+import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +33,7 @@ __all__ = [
     "OpSchema",
     "TorchCompatError",
     "TorchDispatchMode",
+    "clear_cuda_last_error",
     "hook_registries_set_aside",
     "import_modules_binding_the_default_group",
     "note_step_for_lr_schedulers",
@@ -38,6 +42,7 @@ __all__ = [
     "profiler_enabled",
     "registered_process_groups",
     "release_device_mesh_groups",
+    "runtime_library_function",
     "share_hook_registries",
     "step_hooks_silenced",
     "storage_id",
@@ -283,3 +288,62 @@ def release_device_mesh_groups() -> int:
             registry.clear()
             released += 1
     return released
+
+
+_PROCESS_MAPS = "/proc/self/maps"
+
+
+def clear_cuda_last_error() -> int:
+    """Read and reset the calling thread's last CUDA runtime error; return its code (0: there was none).
+
+    A runtime call that fails records its status as the thread's *last error*, and torch's
+    ``C10_CUDA_KERNEL_LAUNCH_CHECK`` after the next kernel launch raises it as if the launch had failed.
+    ``torch.cuda.cudart()``'s ``cudaHostRegister`` returns the failed status without resetting it
+    (``C10_CUDA_ERROR_HANDLED``), and torch binds no ``cudaGetLastError`` (checked: torch 2.13,
+    ``torch/csrc/cuda/shared/cudart.cpp``). So this calls ``cudaGetLastError`` (``hipGetLastError`` on a
+    ROCm build) of the runtime library torch loaded, found by :func:`runtime_library_function`.
+    """
+    hip = torch.version.hip is not None
+    symbol, library = ("hipGetLastError", "libamdhip64.so") if hip else ("cudaGetLastError", "libcudart.so")
+    return int(runtime_library_function(symbol, library)())
+
+
+@functools.cache
+def runtime_library_function(symbol: str, library: str) -> Callable[[], int]:
+    """``symbol``, an ``int f(void)`` of the ``library*`` shared library this process already loaded.
+
+    Never loads a second copy (a second CUDA runtime would have its own per-thread state). Looked up in
+    the one ``library*`` file mapped into the process (``/proc/self/maps``, opened ``RTLD_NOLOAD``), else
+    in the process's global namespace, where torch puts its CUDA runtime (``libtorch_global_deps`` is
+    loaded ``RTLD_GLOBAL`` and depends on it; checked: torch 2.13 ``torch/__init__.py``). Raises
+    :class:`TorchCompatError` naming the symbol where neither has it.
+    """
+    mapped = _mapped_libraries(library)
+    candidates: list[str | None] = [mapped[0]] if len(mapped) == 1 else []
+    candidates.append(None)  # the global namespace
+    for path in candidates:
+        try:
+            handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY) if path else ctypes.CDLL(None)
+            function = getattr(handle, symbol)
+        except (OSError, AttributeError, TypeError):  # TypeError: no global namespace (Windows)
+            continue
+        function.restype = ctypes.c_int
+        function.argtypes = []
+        return cast("Callable[[], int]", function)
+    found = f"mapped: {', '.join(mapped)}" if mapped else f"no {library}* is mapped into this process"
+    raise TorchCompatError(
+        f"no {symbol} found in the runtime library torch {torch.__version__} loaded ({found}; checked: torch 2.13), "
+        "so swap cannot reset the error a failed host registration leaves behind, which the next kernel launch "
+        "would raise. Use SwapConfig(host_memory='caching'), which registers nothing"
+    )
+
+
+def _mapped_libraries(library: str) -> list[str]:
+    """The distinct files named ``library*`` mapped into this process (empty where ``/proc`` is missing)."""
+    try:
+        with open(_PROCESS_MAPS, encoding="utf-8", errors="replace") as maps:
+            fields = [line.split(maxsplit=5) for line in maps]
+    except OSError:
+        return []
+    paths = {parts[5].strip().removesuffix(" (deleted)") for parts in fields if len(parts) == 6}
+    return sorted(path for path in paths if os.path.basename(path).startswith(library))

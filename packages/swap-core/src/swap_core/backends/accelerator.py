@@ -11,16 +11,24 @@ describes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import weakref
 from collections.abc import Sequence
 from typing import Protocol, cast
 
 import torch
 
 from swap_core.backends.host_memory import HostMemoryMode, available_host_bytes, pinned_size, warn_pinning_once
-from swap_core.backends.host_registration import HostRegistrar, host_registrar, registered_host_buffer
+from swap_core.backends.host_registration import (
+    DeviceBoundRegistrar,
+    HostRegistrar,
+    host_registrar,
+    registered_host_buffer,
+)
 from swap_core.backends.protocol import Event, Stream
-from swap_core.backends.tensor_layout import spans_whole_storage
+from swap_core.backends.tensor_layout import is_dense, spans_whole_storage
+from swap_core.torch_compat import TorchCompatError
 
 __all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "accelerator_available"]
 
@@ -32,6 +40,12 @@ _DEVICE_EXTENSIONS: dict[str, str] = {"npu": "torch_npu"}
 
 _PINNED_BYTES = "_swap_pinned_bytes"
 """Attribute an ``empty_host`` buffer carries: the host bytes pinned for it."""
+
+_FLAT_COPY_DEVICE_TYPES = frozenset({"npu"})
+"""Device types whose host/device copies go direct only for contiguous tensors: same-layout pairs copy flat."""
+
+_NO_REGISTRAR_HINTS: dict[str, str] = {"npu": " (this torch_npu offers no torch.npu.npurt(); a newer one does)"}
+"""Why a device type got no host registrar, where an upgrade would give it one."""
 
 _INSTALL_HINTS: dict[str, str] = {
     "npu": "torch_npu must be installed for the npu device (pip install swap-core[npu]) and an Ascend NPU visible",
@@ -61,6 +75,8 @@ class _DeviceModule(Protocol):
     def device_count(self) -> int: ...
 
     def current_device(self) -> int: ...
+
+    def device(self, device: int) -> contextlib.AbstractContextManager[object]: ...
 
     def Stream(self, device: torch.device) -> _DeviceStream: ...
 
@@ -98,7 +114,8 @@ class AcceleratorBackend:
         device_index: int | None = None,
         registrar: HostRegistrar | None = None,
     ) -> AcceleratorBackend:
-        """A backend over an explicit device module (and host registrar), skipping the availability check."""
+        """A backend over an explicit device module (and runtime host registrar, which the backend binds to its
+        device), skipping the availability check."""
         backend = cls.__new__(cls)
         backend._setup(device_type, module, device_index, registrar)
         return backend
@@ -113,7 +130,10 @@ class AcceleratorBackend:
         self._module = module
         self._device = torch.device(device_type, index)
         self._warned: set[str] = set()
-        self._registrar: HostRegistrar | None = host_registrar(device_type) if registrar is None else registrar
+        runtime = host_registrar(device_type) if registrar is None else registrar
+        self._registrar = None if runtime is None else DeviceBoundRegistrar(runtime, module, self._device)
+        self._pinned_storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+        self._flat_copies = device_type in _FLAT_COPY_DEVICE_TYPES
 
     def __repr__(self) -> str:
         return f"AcceleratorBackend({str(self._device)!r})"
@@ -145,22 +165,27 @@ class AcceleratorBackend:
     def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
         """A pinned host buffer, pinned as :mod:`~swap_core.backends.host_memory` describes.
 
-        ``"exact"``: page-aligned memory registered with the driver (CUDA), unregistered when the last
-        tensor using it is gone; where that fails or the device has no public way to do it, the caching
-        path (one warning). ``"caching"``: torch's pinned allocator. Pageable when pinning fails
-        altogether, which makes copies synchronous but still correct.
+        ``"exact"``: page-aligned memory registered with the driver (CUDA, NPU) on this backend's device,
+        unregistered when the last tensor using it is gone; where that fails or the device has no public
+        way to do it, the caching path (one warning). ``"caching"``: torch's pinned allocator. Pageable
+        when pinning fails altogether, which makes copies synchronous but still correct. A failed
+        registration whose runtime error cannot be reset raises :class:`~swap_core.torch_compat.TorchCompatError`
+        instead of falling back: the next kernel launch would raise that error.
         """
         nbytes = numel * dtype.itemsize
         if mode == "exact":
             if self._registrar is not None:
                 try:
                     buffer = registered_host_buffer(numel, dtype, self._registrar)
+                except TorchCompatError:
+                    raise
                 except RuntimeError as error:
                     self._warn_caching_once(f"registering it with the driver failed ({error})")
                 else:
                     return self._record_pinned(buffer, pinned_size(nbytes, "exact"))
             else:
-                self._warn_caching_once(f"{self._device.type} has no public way to register host memory")
+                hint = _NO_REGISTRAR_HINTS.get(self.name, "")
+                self._warn_caching_once(f"{self.name} has no public way to register host memory{hint}")
         try:
             buffer = _empty_pinned(numel, dtype)
         except RuntimeError as error:
@@ -176,9 +201,10 @@ class AcceleratorBackend:
         """This host's available memory (``MemAvailable`` on Linux)."""
         return available_host_bytes()
 
-    @staticmethod
-    def _record_pinned(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    def _record_pinned(self, buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Note what ``buffer`` pins, and that its storage is pinned (for :meth:`copy`, without asking the driver)."""
         setattr(buffer, _PINNED_BYTES, nbytes)
+        self._pinned_storages.add(buffer.untyped_storage())
         return buffer
 
     def _warn_caching_once(self, reason: str) -> None:
@@ -250,9 +276,28 @@ class AcceleratorBackend:
         return self._module.Stream(device=self._device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
-        """Enqueue the copy on ``stream``; asynchronous only when the host side is pinned (else torch syncs)."""
+        """Enqueue the copy on ``stream``; asynchronous only when the host side is pinned (else torch syncs).
+
+        One call per state tensor and step, so its host cost counts: the storages :meth:`empty_host`
+        pinned are known pinned without ``is_pinned()`` (a driver query on CUDA; other host tensors are
+        still asked), and ``stream`` is entered only when it is not already current. Two dense tensors
+        of one non-contiguous layout (channels-last, transposed) are copied as the flat ranges they
+        occupy, which holds the same elements in the same places, on NPU: torch_npu copies between host and
+        device directly only for contiguous tensors (else through a pageable temporary and a stream sync);
+        CUDA copies such pairs directly already, and flattening would only add host time (about 2 us).
+        """
+        non_blocking = self._may_copy_async(dst) and self._may_copy_async(src)
+        if self._flat_copies:
+            dst, src = _flat_if_same_dense_layout(dst, src)
+        if self._module.current_stream(self._device) == stream:
+            dst.copy_(src, non_blocking=non_blocking)
+            return
         with self._module.stream(_device_stream(stream)):
-            dst.copy_(src, non_blocking=_can_copy_async(dst, src))
+            dst.copy_(src, non_blocking=non_blocking)
+
+    def _may_copy_async(self, tensor: torch.Tensor) -> bool:
+        """Asynchrony needs pinned host memory; a pageable host side stays a blocking (always correct) copy."""
+        return not tensor.is_cpu or tensor.untyped_storage() in self._pinned_storages or tensor.is_pinned()
 
     def record_event(self, stream: Stream, *, timing: bool = False) -> Event:
         """A new event recorded at the current end of ``stream``."""
@@ -272,6 +317,11 @@ class AcceleratorBackend:
     def synchronize(self) -> None:
         """Block the host until every stream of this device is idle."""
         self._module.synchronize(self._device)
+
+    def is_capturing(self) -> bool:
+        """``torch.<device>.is_current_stream_capturing()`` where the device module has it (CUDA graphs)."""
+        capturing = getattr(self._module, "is_current_stream_capturing", None)
+        return bool(capturing()) if callable(capturing) else False
 
     def compute_scope(self) -> contextlib.AbstractContextManager[None]:
         """Real devices need no per-op checking."""
@@ -318,9 +368,27 @@ def _empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
-def _can_copy_async(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Asynchrony needs pinned host memory; a pageable host side stays a blocking (always correct) copy."""
-    return all(tensor.is_pinned() for tensor in (dst, src) if tensor.device.type == "cpu")
+def _flat_if_same_dense_layout(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dst`` and ``src`` as 1-D views over the elements they occupy, when both are dense with one shape
+    and one stride but not contiguous; else as they are.
+
+    Dense tensors of equal strides place every element at the same offset from their first one, so the
+    flat copy writes exactly what the strided one would, and only those bytes.
+    """
+    if dst.is_contiguous() and src.is_contiguous():
+        return dst, src
+    shape, stride = dst.shape, dst.stride()
+    if shape != src.shape or stride != src.stride() or not _dense_layout(shape, stride):
+        return dst, src
+    flat = (dst.numel(),)
+    return dst.as_strided(flat, (1,)), src.as_strided(flat, (1,))  # each keeps its own storage offset
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_layout(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether ``shape`` and ``stride`` densely fill ``numel`` places (a few layouts per model: cached, as
+    :func:`~swap_core.backends.tensor_layout.is_dense` costs more than the copy it decides)."""
+    return shape.numel() > 0 and is_dense(torch.empty_strided(shape, stride, device="meta"))
 
 
 def _device_stream(stream: Stream) -> _DeviceStream:

@@ -2,10 +2,11 @@
 
 The contract, stated once (every backend's ``empty_host`` follows it):
 
-* ``host_memory="exact"``: a buffer pins its size rounded up to the page (4 KiB), and nothing else.
-  On CUDA the backend allocates page-aligned pageable memory and registers it with the driver
-  (``cudaHostRegister``), unregistering it when the last tensor using it is gone. Where that is
-  not possible it falls back to the caching path, warning once.
+* ``host_memory="exact"``: a buffer pins its size rounded up to the host's page (:data:`PAGE_BYTES`:
+  4 KiB on x86-64, 64 KiB on many aarch64 hosts such as GH200), and nothing else. On CUDA and NPU the
+  backend allocates page-aligned pageable memory and registers it with the driver
+  (``cudaHostRegister``, ``npuHostRegister``), unregistering it when the last tensor using it is gone.
+  Where that is not possible it falls back to the caching path, warning once.
 * ``host_memory="caching"``: torch's pinned allocator (``CachingHostAllocator``), which rounds every
   request up to the next power of two: a 10 MiB + 4 B buffer pins 16 MiB.
 * When pinning fails altogether, the buffer is pageable (pins nothing; copies become synchronous),
@@ -17,6 +18,7 @@ real device pins; ``available_host_bytes`` is what the host can still give befor
 
 from __future__ import annotations
 
+import mmap
 import os
 import warnings
 from typing import Literal
@@ -37,8 +39,8 @@ HostMemoryMode = Literal["exact", "caching"]
 HOST_MEMORY_MODES: tuple[HostMemoryMode, ...] = ("exact", "caching")
 """Values of ``SwapConfig.host_memory``."""
 
-PAGE_BYTES = 4096
-"""The unit exact pinning rounds to (the x86-64 and aarch64 base page)."""
+PAGE_BYTES: int = mmap.PAGESIZE
+"""The unit exact pinning rounds to: this host's page (registration pins whole pages), read once at import."""
 
 _MEMINFO = "/proc/meminfo"
 

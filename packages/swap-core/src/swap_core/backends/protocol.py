@@ -167,6 +167,10 @@ class DeviceBackend(Protocol):
         """Block the host until every stream has finished its work."""
         ...
 
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a graph (CUDA graphs): work issued now is recorded, not run."""
+        ...
+
     def compute_scope(self) -> contextlib.AbstractContextManager[None]:
         """Context in which optimizer math runs; the simulator checks every op inside it."""
         ...

@@ -652,6 +652,10 @@ class SimBackend:
         if self._clock is not None:
             self._clock.host_waits(self._clock.latest())
 
+    def is_capturing(self) -> bool:
+        """The simulator captures no graphs."""
+        return False
+
     def compute_scope(self) -> contextlib.AbstractContextManager[None]:
         """Check every op inside (use after free, host/device mixing, races) when ``check_races`` is on, and
         time it on the compute stream's virtual timeline with ``timing``.
