@@ -4,6 +4,7 @@ is too small (all exact on the simulator, which models what a real device pins).
 from __future__ import annotations
 
 import copy
+import gc
 import mmap
 import subprocess
 import sys
@@ -310,3 +311,38 @@ def test_a_checkpoint_of_another_layout_is_built_in_new_host_memory() -> None:
             param.copy_(loaded)  # the model's half of the checkpoint
     reference.load_state_dict(checkpoint)
     _continue_and_compare(optimizer, reference, params, reference_params, "after loading another layout")
+
+
+def test_a_relayout_in_caching_host_mode_gives_the_old_pinned_blocks_back() -> None:
+    """torch's caching pinned allocator keeps a freed buffer's block pinned: after a re-layout (a parameter's first
+    gradient here) the process would pin the old layout and the new one; the step empties that cache once."""
+    sim = SimBackend(mode="lazy")
+    params = [torch.nn.Parameter(torch.randn(64, 40)) for _ in range(4)]
+    params[-1].requires_grad_(False)
+    config = SwapConfig(backend=sim, min_numel=16, swap_times=2, host_memory="caching")
+    optimizer = swap_optimizer(torch.optim.RMSprop(params), config)
+    for step in range(3):
+        if step == 1:
+            params[-1].requires_grad_(True)
+        for param in params:
+            param.grad = torch.ones_like(param) if param.requires_grad else None
+        optimizer.step()
+        gc.collect()
+        assert sim.host_pinned_bytes() == optimizer.stats.host_pinned_bytes, f"step {step}: the old layout stayed"
+    assert optimizer.stats.host_pinned_bytes == pinned_size(4 * 64 * 40 * 4, "caching"), "one buffer of square_avg"
+
+
+def test_the_simulated_caching_pinned_allocator_keeps_freed_blocks_until_emptied() -> None:
+    sim = SimBackend()
+    first = sim.empty_host(1000, torch.float32, mode="caching")  # a 4,096-byte block
+    del first
+    gc.collect()
+    assert sim.host_pinned_bytes() == 4096, "freed, the block stays pinned in the cache"
+    again = sim.empty_host(900, torch.float32, mode="caching")  # same block size: the cached block is reused
+    assert sim.host_pinned_bytes() == 4096
+    exact = sim.empty_host(1000, torch.float32)  # registered memory is unpinned when freed, never cached
+    del again, exact
+    gc.collect()
+    assert sim.host_pinned_bytes() == 4096
+    sim.empty_host_cache()
+    assert sim.host_pinned_bytes() == 0

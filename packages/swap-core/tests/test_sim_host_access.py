@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -279,3 +280,22 @@ def test_a_state_reset_or_replaced_between_steps_frees_its_buffers_after_the_cop
         gc.collect()
     sim.synchronize()
     assert not sim.races, sim.races
+
+
+def test_a_race_found_during_a_collection_keeps_nothing_of_the_code_it_interrupted_alive() -> None:
+    """The report waits for the backend's next call without the frames the collection ran in (nor their tensors)."""
+    sim = SimBackend(mode="lazy")
+    host = _queued_d2h(sim)
+
+    def unrelated_code() -> weakref.ref[torch.Tensor]:
+        marker = torch.ones(8)
+        nonlocal host
+        del host  # collected here, inside this frame
+        gc.collect()
+        return weakref.ref(marker)
+
+    marker = unrelated_code()
+    gc.collect()
+    assert marker() is None, "the pending race report kept the interrupted frame's tensors alive"
+    with pytest.raises(SimRaceError, match="free of a registered host buffer"):
+        sim.synchronize()

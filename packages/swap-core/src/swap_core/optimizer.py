@@ -170,6 +170,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._every_param_ready = False
         self._step_grads: list[torch.Tensor | None] = []
         self._tracked = TrackedState()
+        self._host_cache_emptied_at: tuple[int, int] | None = None
         self._seen_state_version = -1
         self._layout: Layout = ([], [])
         self._mirror_check: _MirrorCheck | None = None
@@ -359,6 +360,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self._pack_fresh_states(ordered)
                 if self._backward_prefetch is not None:
                     self._arm_backward_prefetch(after_step=True)
+                self._empty_host_cache_after_relayout()
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
             self.trace = trace
@@ -372,6 +374,17 @@ class SwapOptimizer(torch.optim.Optimizer):
             _set_modeled_seconds(stats, modeled_start, self._modeled_times())
         self.stats = stats
         return loss
+
+    def _empty_host_cache_after_relayout(self) -> None:
+        """With ``host_memory="caching"``, host buffers a re-layout (or a load, or a reset) replaced stay pinned in
+        torch's caching host allocator: give them back once per layout, after the step that dropped the last
+        references to them (its plan and any prefetch), so the process pins its layout once, not twice."""
+        assert self._store is not None and self.backend is not None
+        layout = self._store.layout_id
+        if self.config.host_memory == "caching" and layout != self._host_cache_emptied_at:
+            self._mirror_check = None  # it may hold the replaced mirrors (it is rebuilt for a new layout anyway)
+            self.backend.empty_host_cache()
+            self._host_cache_emptied_at = layout
 
     def _modeled_times(self) -> ModeledTimes | None:
         """The simulator's virtual clock now, when the backend has one."""

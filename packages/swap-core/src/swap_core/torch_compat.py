@@ -35,6 +35,7 @@ __all__ = [
     "TorchDispatchMode",
     "clear_cuda_last_error",
     "hook_registries_set_aside",
+    "host_empty_cache",
     "import_modules_binding_the_default_group",
     "note_step_for_lr_schedulers",
     "op_schema",
@@ -288,6 +289,18 @@ def release_device_mesh_groups() -> int:
             registry.clear()
             released += 1
     return released
+
+
+def host_empty_cache(device_type: str) -> None:
+    """Give back the pinned blocks torch's caching host allocator keeps for ``device_type``; nothing where there is no
+    such call. CUDA: ``torch._C._host_emptyCache`` (private; checked: torch 2.13); NPU: torch_npu's
+    ``torch.npu.host_empty_cache``."""
+    if device_type == "cuda":
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    else:
+        empty = getattr(getattr(torch, device_type, None), "host_empty_cache", None)
+    if callable(empty):
+        empty()
 
 
 _PROCESS_MAPS = "/proc/self/maps"

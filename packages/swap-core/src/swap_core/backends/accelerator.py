@@ -28,7 +28,7 @@ from swap_core.backends.host_registration import (
 )
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import is_dense, spans_whole_storage
-from swap_core.torch_compat import TorchCompatError
+from swap_core.torch_compat import TorchCompatError, host_empty_cache
 
 __all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "accelerator_available"]
 
@@ -196,6 +196,11 @@ class AcceleratorBackend:
     def pinned_bytes(self, buffer: torch.Tensor) -> int:
         """Host bytes pinned for ``buffer`` (from :meth:`empty_host`), rounding included; 0 when pageable."""
         return int(getattr(buffer, _PINNED_BYTES, 0))
+
+    def empty_host_cache(self) -> None:
+        """The caching host allocator's ``empty_cache`` (``torch._C._host_emptyCache``, torch_npu's
+        ``host_empty_cache``); nothing where the device has none."""
+        host_empty_cache(self.name)
 
     def available_host_bytes(self) -> int | None:
         """This host's available memory (``MemAvailable`` on Linux)."""

@@ -100,6 +100,11 @@ class DeviceBackend(Protocol):
         """Host bytes pinned for a buffer :meth:`empty_host` returned, rounding included (0 when pageable)."""
         ...
 
+    def empty_host_cache(self) -> None:
+        """Give back the pinned blocks the caching host allocator keeps after ``host_memory="caching"`` buffers
+        were freed (they stay pinned, and count against the host, until then)."""
+        ...
+
     def available_host_bytes(self) -> int | None:
         """Host bytes that can still be allocated, or ``None`` where it is unknown."""
         ...

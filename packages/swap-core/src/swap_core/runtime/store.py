@@ -18,6 +18,7 @@ no existing mirror and waits for nothing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from .packed import PackedHost
 from .slots import SlotState, SwapSlot, is_swappable, is_swappable_dtype, layout_stride, transition
 
 __all__ = ["StateSource", "StateStore"]
+
+_STORE_SERIALS = itertools.count()
 
 StateSource = float | torch.Tensor
 """Initial content of a new host mirror: a fill value or a tensor (on the device or the host)."""
@@ -73,8 +76,15 @@ class StateStore:
         self._candidate_bytes = 0
         self.version = 0
         """Bumped whenever the set of slots or their host layout changes (plans are rebuilt)."""
+        self._serial = next(_STORE_SERIALS)
         self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(host mirror, host copy of a device source in another dtype): cast by :meth:`_finish_fills`."""
+
+    @property
+    def layout_id(self) -> tuple[int, int]:
+        """This store and its :attr:`version`, unique in the process: when it changes, host buffers may have been
+        replaced (and, with ``host_memory="caching"``, left in torch's pinned cache)."""
+        return self._serial, self.version
 
     def attach(self, state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """Write host mirrors into ``state`` from now on (used to stage a load, then commit it)."""

@@ -253,8 +253,7 @@ class SimBackend:
             self._warn_caching_once()
             mode = "caching"
         record = self._registry.register(tensor, MemoryKind.HOST)
-        self._registry.pin(record, pinned_size(numel * dtype.itemsize, mode))
-        record.registered = mode == "exact"
+        self._registry.pin(record, pinned_size(numel * dtype.itemsize, mode), registered=mode == "exact")
         return tensor
 
     def pinned_bytes(self, buffer: torch.Tensor) -> int:
@@ -263,8 +262,14 @@ class SimBackend:
         return record.pinned_bytes if record is not None else 0
 
     def host_pinned_bytes(self) -> int:
-        """Pinned host bytes of every live :meth:`empty_host` buffer (rounding included): the process-wide figure."""
-        return self._registry.pinned_bytes
+        """Pinned host bytes of the process: every live :meth:`empty_host` buffer (rounding included), and the blocks
+        torch's caching pinned allocator keeps after their ``host_memory="caching"`` buffers were freed (as
+        ``torch.cuda.host_memory_stats()`` counts them) until :meth:`empty_host_cache`."""
+        return self._registry.process_pinned_bytes
+
+    def empty_host_cache(self) -> None:
+        """Give the caching pinned allocator's cached blocks back (``torch._C._host_emptyCache()``)."""
+        self._registry.empty_host_cache()
 
     def max_host_pinned_bytes(self) -> int:
         """Peak of :meth:`host_pinned_bytes` since construction or :meth:`reset_peak_memory_stats`."""
@@ -747,7 +752,9 @@ class SimBackend:
         try:
             self._race_checker.access(HOST_AGENT, [request], "free of a registered host buffer")
         except SimRaceError as race:
-            self._deferred_race = race
+            # Without its traceback: a collection runs inside whatever code allocated, and those frames (and the
+            # tensors they hold) would live as long as the error waits to be raised.
+            self._deferred_race = race.with_traceback(None)
 
     @contextlib.contextmanager
     def _untracked(self) -> Iterator[None]:

@@ -11,6 +11,7 @@ report).
 
 from __future__ import annotations
 
+import collections
 import enum
 import weakref
 from collections.abc import Callable
@@ -139,6 +140,9 @@ class MemoryRegistry:
         self.peak_bytes = 0
         self.pinned_bytes = 0
         """Host bytes a real device would have pinned for the live host buffers (rounding included)."""
+        self.cached_pinned: collections.Counter[int] = collections.Counter()
+        """Blocks of torch's caching pinned allocator (``host_memory="caching"``) whose buffers were freed, by size:
+        still pinned, reused by a request of their size, given back only by ``empty_host_cache``."""
         self.peak_pinned_bytes = 0
 
     def lookup(self, key: int) -> StorageRecord | None:
@@ -172,15 +176,28 @@ class MemoryRegistry:
         self.allocated_bytes -= record.counted_bytes
         record.counted_bytes = 0
 
-    def pin(self, record: StorageRecord, nbytes: int) -> None:
-        """Account ``nbytes`` of pinned host memory behind ``record``'s (host) storage."""
+    def pin(self, record: StorageRecord, nbytes: int, *, registered: bool) -> None:
+        """Account ``nbytes`` of pinned host memory behind ``record``'s (host) storage: registered with the driver,
+        or a block of the caching pinned allocator (a cached block of that size is taken first)."""
         record.pinned_bytes = nbytes
+        record.registered = registered
         self.pinned_bytes += nbytes
-        self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
+        if not registered and self.cached_pinned[nbytes] > 0:
+            self.cached_pinned[nbytes] -= 1
+        self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.process_pinned_bytes)
+
+    @property
+    def process_pinned_bytes(self) -> int:
+        """Pinned host bytes of the process: live buffers and the caching allocator's cached blocks."""
+        return self.pinned_bytes + sum(size * count for size, count in self.cached_pinned.items())
+
+    def empty_host_cache(self) -> None:
+        """The caching pinned allocator gives every cached block back."""
+        self.cached_pinned.clear()
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.allocated_bytes
-        self.peak_pinned_bytes = self.pinned_bytes
+        self.peak_pinned_bytes = self.process_pinned_bytes
 
     def _forget(self, key: int, record: StorageRecord) -> None:
         """Finalizer of the registering tensor: its storage is gone, or is about to be untracked."""
@@ -191,11 +208,17 @@ class MemoryRegistry:
             if self._on_host_freed is not None and record.registered:
                 self._on_host_freed(key, record)
             self.uncount(record)
-            self.pinned_bytes -= record.pinned_bytes
+            self._unpin(record)
             self._on_forget(key)
 
     def _drop(self, record: StorageRecord) -> None:
         self.uncount(record)
-        self.pinned_bytes -= record.pinned_bytes
+        self._unpin(record)
         if record.finalizer is not None:
             record.finalizer.detach()
+
+    def _unpin(self, record: StorageRecord) -> None:
+        """A host buffer is gone: registered memory is unpinned, a caching-allocator block is cached."""
+        self.pinned_bytes -= record.pinned_bytes
+        if record.pinned_bytes and not record.registered:
+            self.cached_pinned[record.pinned_bytes] += 1
