@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from swap_bench.comparisons import Baseline, ComparisonConfig, HostMasterOffload
 from swap_bench.measure import BaselineOptimizer, measure_comparison
 from swap_bench.report import SCHEMA, render_table
 from swap_bench.workloads import ADAMW_KWARGS, QUICK_WORKLOADS
+from swap_core.backends.host_memory import pinned_size
 from swap_core.backends.protocol import DeviceBackend
 from swap_core.sim import SimBackend
 
@@ -41,7 +43,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_schema(report: dict[str, Any]) -> None:
-    assert report["schema"] == SCHEMA == "swap-bench/3"
+    assert report["schema"] == SCHEMA == "swap-bench/4"
     assert report["kind"] == "bench"
     assert report["backend"] == "sim" and report["quick"] is True
     # On Linux (glibc) the simulator's allocations keep freed blocks, as a device caching allocator does.
@@ -70,7 +72,7 @@ def test_every_measured_row_is_modeled_beside_it_with_the_same_bytes(report: dic
             measured["swap_times"],
             measured["packed"],
         )
-        assert model["link"] == "pcie4"  # the default --link
+        assert model["link"] == "pcie4" and model["ranks_per_node"] == 1  # the default --link, one rank per host
         # Meta tensors and the CPU simulator run the same pipeline: the same bytes and copies.
         for field in ("h2d_bytes", "d2h_bytes", "host_state_bytes", "host_pinned_bytes", "batches"):
             assert model[field] == measured[field], field
@@ -103,8 +105,10 @@ def test_exact_counts_many_small(report: dict[str, Any]) -> None:
         # Two arenas of one balanced batch each: 2 x 64 x 4096 / k.
         staging = 2 * 64 * 4096 // row["swap_times"]
         assert row["peak_state_device_bytes_swapped"] == staging
-        # Exact pinning: the packed buffer is 64 pages; per tensor, each 4 KiB state is one page.
-        assert row["host_state_bytes"] == row["host_pinned_bytes"] == 64 * 4096
+        # Exact pinning: the packed buffer is 64 states of 4 KiB, each to the page; per tensor, each state to a page.
+        assert row["host_state_bytes"] == 64 * 4096
+        pinned = pinned_size(64 * 4096, "exact") if row["packed"] else 64 * pinned_size(4096, "exact")
+        assert row["host_pinned_bytes"] == pinned
 
 
 def test_exact_counts_mixed_dtypes(report: dict[str, Any]) -> None:
@@ -164,7 +168,7 @@ def test_freed_host_memory_is_kept_after_keep_freed_host_memory() -> None:
     on what the heap already holds (in the test process, whatever earlier tests left there). The
     median round decides, so that a round the kernel faults for its own reasons does not.
     """
-    pages_per_round = 3 * 4096
+    pages_per_round = 3 * (16 << 20) // mmap.PAGESIZE  # three 16 MiB blocks
     without, rounds_without = _median_faults_per_round("off")
     with_setting, rounds_with = _median_faults_per_round("on")
     # Served by mmap and unmapped when freed, every block faults all its pages in again (12,291 per round

@@ -103,6 +103,8 @@ def test_planner_refuses_what_it_does_not_model() -> None:
         plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie9", swap_times=4)
     with pytest.raises(ValueError, match=r"Unknown planner optimizer 'lbfgs'"):
         plan_model(MODELS["llama-7b"], "lbfgs", world=8, link="pcie4", swap_times=4)
+    with pytest.raises(ValueError, match=r"Invalid ranks_per_node: 0 \(expected >= 1\)"):
+        plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie4", swap_times=4, ranks_per_node=0)
 
 
 def test_a_hugging_face_config_json_is_a_model(tmp_path: Path) -> None:
@@ -149,6 +151,32 @@ def test_plan_command_writes_the_versioned_report(tmp_path: Path, capsys: pytest
     with pytest.raises(SystemExit):
         main(["plan", "--model", "gpt-9"])
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_plan_command_models_achievable_figures_and_ranks_sharing_a_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """16 ranks on a host whose memory sustains 450.56 GB/s (PCIe 5, achievable figures) get 28.16 GB/s each, below
+    the link's 55 GB/s: the row says which figures it used, and its copies go at the host share."""
+    path, markdown = tmp_path / "plan.json", tmp_path / "plan.md"
+    argv = ["plan", "--model", "llama-1b", "--link", "pcie5-achievable", "--ranks-per-node", "16", "--swap-times", "2"]
+    assert main([*argv, "--json", str(path), "--markdown", str(markdown)]) == 0
+    (row,) = json.loads(path.read_text())["modeled_rows"]
+    assert (row["link"], row["ranks_per_node"]) == ("pcie5-achievable", 16)
+    figures = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "duplex_factor": 1.4, "host_memory_gbps": 450.56}
+    assert {key: row["link_model"][key] for key in figures} == figures and row["link_model"]["ranks_sharing_host"] == 16
+    host_share = 450.56e9 / 16
+    copy_in = row["h2d_bytes"] / host_share  # alone at the host share, not at the link's 55 GB/s
+    assert row["link_utilization"] == pytest.approx(copy_in / row["modeled_transfer_seconds"], rel=1e-12)
+    assert row["modeled_transfer_seconds"] > copy_in
+    # Two directions sharing 28.16 GB/s: no batch's copy-in and copy-out together beat their bytes over the share.
+    batch_in, batch_out = copy_in / 2, row["d2h_bytes"] / host_share / 2
+    assert row["bound_seconds"] == pytest.approx(batch_in + batch_out + (batch_in + batch_out), rel=1e-9)
+    assert "| pcie5-achievable | 16 | 2 |" in markdown.read_text()
+    assert "pcie5-achievable" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-1b", "--ranks-per-node", "0"])
+    assert "--ranks-per-node must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_the_planner_models_the_foreach_kernels_torch_picks_on_cuda() -> None:

@@ -7,6 +7,7 @@ pipeline bound of docs/simulator.md. These are deterministic model times, never 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, swap_optimizer
+from swap_core.backends.sim.timing import VirtualClock
 from swap_core.runtime import pipeline
 from swap_core.sim import LINK_PRESETS, LinkModel, MetaBackend, SimBackend
 
@@ -34,7 +36,8 @@ def _host_and_device(sim: SimBackend) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_link_model_checks_its_numbers_and_names_its_presets() -> None:
-    assert set(LINK_PRESETS) == {"pcie4", "pcie5", "ascend-910b"}
+    theoretical = {"pcie4", "pcie5", "ascend-910b"}
+    assert set(LINK_PRESETS) == theoretical | {f"{name}-achievable" for name in theoretical}
     assert LinkModel.preset("pcie5").h2d_gbps == 63.0
     with pytest.raises(ValueError, match=r"Unknown LinkModel preset 'pcie9'.*'pcie4'"):
         LinkModel.preset("pcie9")
@@ -42,9 +45,102 @@ def test_link_model_checks_its_numbers_and_names_its_presets() -> None:
         arguments = {"h2d_gbps": 1.0, "d2h_gbps": 1.0, "device_gbps": 1.0, field: value}
         with pytest.raises(ValueError, match=rf"LinkModel.{field} must be a finite number"):
             LinkModel(**arguments)
+    with pytest.raises(ValueError, match=r"LinkModel.duplex_factor must be in \[1, 2\], got 2.5"):
+        LinkModel(1.0, 1.0, 1.0, duplex_factor=2.5)
+    with pytest.raises(ValueError, match=r"LinkModel.duplex_factor must be a finite number > 0, got nan"):
+        LinkModel(1.0, 1.0, 1.0, duplex_factor=math.nan)
+    with pytest.raises(ValueError, match=r"LinkModel.host_memory_gbps must be None or a finite number > 0, got 0.0"):
+        LinkModel(1.0, 1.0, 1.0, host_memory_gbps=0.0)
+    for ranks in (0, 1.5, True):
+        with pytest.raises(ValueError, match=rf"LinkModel.ranks_sharing_host must be an int >= 1, got {ranks!r}"):
+            LinkModel(1.0, 1.0, 1.0, ranks_sharing_host=ranks)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="timing must be a LinkModel"):
         SimBackend(timing="pcie4")  # type: ignore[arg-type]
     assert SimBackend().modeled_times() is None
+
+
+def test_the_theoretical_presets_keep_their_numbers() -> None:
+    """Theoretical rates, full duplex; a rank alone on its host (the host memory bounds nothing)."""
+    expected = {  # h2d, d2h, device GB/s, launch µs, TFLOPS, duplex factor, host memory GB/s
+        "pcie4": (31.5, 31.5, 1555.0, 5.0, 312.0, 2.0, 409.6),
+        "pcie5": (63.0, 63.0, 3350.0, 5.0, 989.0, 2.0, 563.2),
+        "ascend-910b": (31.5, 31.5, 1200.0, 5.0, 280.0, 2.0, None),
+    }
+    for name, numbers in expected.items():
+        link = LinkModel.preset(name)
+        fields = dataclasses.astuple(link)
+        assert fields[:-1] == numbers and link.ranks_sharing_host == 1, name
+        assert link.copy_seconds("h2d", NBYTES) == NBYTES / (link.h2d_gbps * 1e9), name  # as before the host share
+        assert link.concurrent_copy_seconds(NBYTES, NBYTES) == link.copy_seconds("d2h", NBYTES), "full duplex"
+
+
+def test_the_achievable_presets_carry_the_measured_numbers() -> None:
+    """Pinned copies as measured (nvbandwidth), both directions at once 1.4 x one, host memory at 80% of its wire
+    rate; the device as in the theoretical preset (docs/simulator.md gives the sources)."""
+    expected = {"pcie4": (25.5, 327.68), "pcie5": (55.0, 450.56), "ascend-910b": (25.5, None)}
+    for name, (link_gbps, host_gbps) in expected.items():
+        theoretical, achievable = LinkModel.preset(name), LinkModel.preset(f"{name}-achievable")
+        assert (achievable.h2d_gbps, achievable.d2h_gbps, achievable.duplex_factor) == (link_gbps, link_gbps, 1.4)
+        assert achievable.host_memory_gbps == host_gbps
+        if host_gbps is not None:
+            assert theoretical.host_memory_gbps is not None
+            assert host_gbps == pytest.approx(0.8 * theoretical.host_memory_gbps, rel=1e-12)
+        assert (achievable.device_gbps, achievable.device_tflops) == (
+            theoretical.device_gbps,
+            theoretical.device_tflops,
+        )
+        assert achievable.h2d_gbps < theoretical.h2d_gbps
+    # 55 GB/s of PCIe 5's 63 alone; a copy-in beside an equal copy-out: 2 x 55 / 1.4 x 55 of one copy alone.
+    pcie5 = LinkModel.preset("pcie5-achievable")
+    assert pcie5.concurrent_copy_seconds(NBYTES, NBYTES) == pytest.approx(2 * NBYTES / (1.4 * 55e9), rel=1e-12)
+
+
+DUPLEX = LinkModel(h2d_gbps=20.0, d2h_gbps=20.0, device_gbps=1000.0, launch_us=0.0, duplex_factor=1.6)
+ALONE = NBYTES / 20e9
+
+
+def test_a_duplex_overlapped_pair_of_copies_takes_longer_than_either_alone() -> None:
+    """Both directions at once move duplex_factor x one direction's bytes. The copy issued first keeps the time it
+    was given; the one issued beside it gets what is left, 0.6 of its bandwidth, until the first ends."""
+    for first, second in (("h2d", "d2h"), ("d2h", "h2d")):
+        alone = VirtualClock(DUPLEX)
+        assert alone.issue_transfer("copy", second, NBYTES) == pytest.approx(ALONE, rel=1e-12)
+        clock = VirtualClock(DUPLEX)
+        assert clock.issue_transfer("in", first, NBYTES) == pytest.approx(ALONE, rel=1e-12)
+        # 0.6 N while the first runs, the other 0.4 N alone: (3 - 1.6) x the copy alone.
+        assert clock.issue_transfer("out", second, NBYTES) == pytest.approx(1.4 * ALONE, rel=1e-12)
+        assert clock.transfers_started == 0.0 and clock.host == 0.0
+    # A second copy of 0.6 N ends with the first: together they moved 1.6 N in the time of one N alone.
+    clock = VirtualClock(DUPLEX)
+    clock.issue_transfer("in", "h2d", NBYTES)
+    assert clock.issue_transfer("out", "d2h", int(0.6 * NBYTES)) == pytest.approx(ALONE, rel=1e-6)
+    # Full duplex (the theoretical presets): each direction at its own rate, as before.
+    full = VirtualClock(dataclasses.replace(DUPLEX, duplex_factor=2.0))
+    assert full.issue_transfer("in", "h2d", NBYTES) == full.issue_transfer("out", "d2h", NBYTES) == ALONE
+    # A copy in one direction, or on the device, shares nothing with the other direction.
+    clock = VirtualClock(DUPLEX)
+    clock.issue_transfer("in", "h2d", NBYTES)
+    assert clock.issue_transfer("device", "d2d", NBYTES) == 2 * NBYTES / 1000e9
+    assert clock.issue_transfer("in", "h2d", NBYTES) == pytest.approx(2 * ALONE, rel=1e-12), "one stream serializes"
+
+
+def test_ranks_sharing_host_memory_slow_copies_when_the_host_is_the_bottleneck() -> None:
+    """8 ranks of a host with 80 GB/s of memory get 10 GB/s each: below the 20 GB/s link, copies take twice as long;
+    2 ranks get 40 GB/s each and the link stays the bottleneck."""
+    link = LinkModel(h2d_gbps=20.0, d2h_gbps=10.0, device_gbps=1000.0, launch_us=5.0, host_memory_gbps=80.0)
+    for ranks, h2d_gbps in ((1, 20.0), (2, 20.0), (8, 10.0), (16, 5.0)):
+        sim = _sim(dataclasses.replace(link, ranks_sharing_host=ranks))
+        host, device = _host_and_device(sim)
+        sim.copy(device, host, stream=sim.new_stream())
+        times = sim.modeled_times()
+        assert times is not None and times.transfers == pytest.approx(NBYTES / (h2d_gbps * 1e9), rel=1e-12), ranks
+    # Both directions together share the host too: 30 GB/s for a 20 GB/s full-duplex link. The copy issued second
+    # gets 10 GB/s while the first runs, then 20: it ends at 1.5 x a copy alone.
+    shared = LinkModel(h2d_gbps=20.0, d2h_gbps=20.0, device_gbps=1000.0, launch_us=0.0, host_memory_gbps=30.0)
+    clock = VirtualClock(shared)
+    assert clock.issue_transfer("in", "h2d", NBYTES) == pytest.approx(ALONE, rel=1e-12)
+    assert clock.issue_transfer("out", "d2h", NBYTES) == pytest.approx(1.5 * ALONE, rel=1e-12)
+    assert shared.concurrent_copy_seconds(NBYTES, NBYTES) == pytest.approx(2 * NBYTES / 30e9, rel=1e-12)
 
 
 def test_a_copy_lasts_its_bytes_over_the_link_and_a_wait_carries_its_time() -> None:
@@ -307,3 +403,14 @@ def test_the_race_checker_catches_a_second_half_copied_in_too_early() -> None:
     # The second half of an arena, written by a copy-in while the copy-out still reads it (and then the update
     # reading what the copy-in wrote too early).
     assert any("(copy d2h) and write by" in race and "(copy h2d) are not ordered" in race for race in sim.races)
+
+
+def test_a_simulated_copy_in_beside_a_copy_out_shares_the_link() -> None:
+    link = LinkModel(h2d_gbps=20.0, d2h_gbps=20.0, device_gbps=1000.0, launch_us=0.0, duplex_factor=1.6)
+    sim = _sim(link)
+    host_in, device_in = _host_and_device(sim)
+    host_out, device_out = _host_and_device(sim)
+    sim.copy(device_in, host_in, stream=sim.new_stream())
+    sim.copy(host_out, device_out, stream=sim.new_stream())
+    times = sim.modeled_times()
+    assert times is not None and times.transfers == pytest.approx(1.4 * NBYTES / 20e9, rel=1e-12)

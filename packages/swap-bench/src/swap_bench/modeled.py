@@ -49,6 +49,9 @@ class StepModel:
     """A :data:`~swap_core.sim.LINK_PRESETS` name."""
     swap_times: int
     master_weights: bool = False
+    ranks_per_node: int = 1
+    """Ranks streaming through one host's memory as this one does (``LinkModel.ranks_sharing_host``): the rank's
+    copies get the preset's host memory bandwidth divided by this."""
     packed: bool = True
     duplex: bool = True
     world: int = 1
@@ -69,6 +72,11 @@ class ModeledRow:
     world: int
     rank: int
     link: str
+    """The :data:`~swap_core.sim.LINK_PRESETS` name: theoretical rates, or measured ones (``-achievable``)."""
+    ranks_per_node: int
+    link_model: dict[str, float | int | None]
+    """The figures the row was modeled with: every field of the preset's ``LinkModel``, ``ranks_sharing_host`` =
+    ``ranks_per_node``."""
     swap_times: int
     packed: bool
     duplex: bool
@@ -95,12 +103,15 @@ class ModeledRow:
     modeled_transfer_seconds: float
     """From ``step()`` until its last offload finished."""
     bound_seconds: float
-    """The cold duplex pipeline's bound for k balanced batches: one batch's copy-in, update and copy-out in turn
-    (a = S/(k B_down), c = T_c/k, o = S/(k B_up)), plus k - 1 times the slowest of them. That is
-    max(S/B_down, S/B_up) x (1 + 1/k) + T_c / k where the link is the bottleneck (both directions equally fast),
+    """The cold duplex pipeline's bound for k balanced batches (a = S/(k B_down), c = T_c/k, o = S/(k B_up), each
+    copy alone at its bandwidth, the host share included): the larger of one batch's copy-in, update and copy-out in
+    turn plus k - 1 times the slowest of them, and a + o + (k - 1) d, the shared link's, where d =
+    ``LinkModel.concurrent_copy_seconds`` of a batch's copy-in beside a copy-out (more than max(a, o) where the
+    duplex factor or the host memory share binds). On a full-duplex link with host memory to spare the first: that
+    is max(S/B_down, S/B_up) x (1 + 1/k) + T_c / k where the link is the bottleneck (both directions equally fast),
     and T_c + (S/B_down + S/B_up) / k where the update is (e.g. Muon's Newton-Schulz)."""
     link_utilization: float
-    """Busy time of the busier link direction over ``modeled_transfer_seconds``."""
+    """Busy time of the busier link direction, at its bandwidth alone, over ``modeled_transfer_seconds``."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,7 +119,7 @@ class ModeledRow:
 
 def model_step(model: StepModel) -> ModeledRow:
     """Model ``model``'s second (steady) swapped step and its unswapped optimizer on meta tensors."""
-    link = LinkModel.preset(model.link)
+    link = dataclasses.replace(LinkModel.preset(model.link), ranks_sharing_host=model.ranks_per_node)
     world: contextlib.AbstractContextManager[DeviceMesh | None] = (
         fake_world(model.world, model.rank) if model.fsdp2 else contextlib.nullcontext()
     )
@@ -123,8 +134,9 @@ def model_step(model: StepModel) -> ModeledRow:
         held = sum(_local(param).numel() for param in params)
     stats = swapped.stats
     assert stats.modeled_step_seconds is not None and stats.modeled_transfer_seconds is not None
-    copy_in, copy_out = stats.h2d_bytes / (link.h2d_gbps * 1e9), stats.d2h_bytes / (link.d2h_gbps * 1e9)
+    copy_in, copy_out = link.copy_seconds("h2d", stats.h2d_bytes), link.copy_seconds("d2h", stats.d2h_bytes)
     busiest = max(copy_in, copy_out)
+    both_ways = link.concurrent_copy_seconds(stats.h2d_bytes, stats.d2h_bytes)
     batches = max(stats.batches, 1)
     return ModeledRow(
         name=model.name,
@@ -132,6 +144,8 @@ def model_step(model: StepModel) -> ModeledRow:
         world=model.world,
         rank=model.rank,
         link=model.link,
+        ranks_per_node=model.ranks_per_node,
+        link_model=dataclasses.asdict(link),
         swap_times=model.swap_times,
         packed=model.packed,
         duplex=model.duplex,
@@ -148,15 +162,23 @@ def model_step(model: StepModel) -> ModeledRow:
         update_seconds=update_seconds,
         modeled_step_seconds=stats.modeled_step_seconds,
         modeled_transfer_seconds=stats.modeled_transfer_seconds,
-        bound_seconds=_pipeline_bound(copy_in, update_seconds, copy_out, batches),
+        bound_seconds=_pipeline_bound(copy_in, update_seconds, copy_out, both_ways, batches),
         link_utilization=busiest / stats.modeled_transfer_seconds if stats.modeled_transfer_seconds > 0 else 0.0,
     )
 
 
-def _pipeline_bound(copy_in: float, update: float, copy_out: float, batches: int) -> float:
-    """The makespan of ``batches`` balanced three-stage batches whose stages together take these seconds."""
+def _pipeline_bound(copy_in: float, update: float, copy_out: float, both_ways: float, batches: int) -> float:
+    """The least makespan of ``batches`` balanced three-stage batches whose stages together take these seconds.
+
+    The larger of two bounds: one batch's three stages plus ``batches - 1`` times the slowest (a flow shop), and
+    the shared link's (the first copy-in and the last copy-out alone, every other copy beside one in the other
+    direction, ``both_ways`` for all copies moved that way). On a full-duplex link with host memory to spare the
+    second never exceeds the first.
+    """
     stages = (copy_in / batches, update / batches, copy_out / batches)
-    return sum(stages) + (batches - 1) * max(stages)
+    flow_shop = sum(stages) + (batches - 1) * max(stages)
+    shared_link = stages[0] + stages[2] + (batches - 1) * both_ways / batches
+    return max(flow_shop, shared_link)
 
 
 def _steady_swapped_step(

@@ -1,12 +1,15 @@
 """``swap-bench plan``: one rank's swapped step for a real model size, modeled over meta tensors.
 
-For each combination of the given models, world sizes, links and ``swap_times``, the planner builds
+For each combination of the given models, world sizes, links, ranks per node and ``swap_times``, the planner builds
 one rank's FSDP2 shard of the model (by default rank 0, whose shard is the largest: dim 0 of every
 parameter split in ``world`` chunks, :func:`~swap_bench.models.fsdp_shard_shape`) as meta tensors,
 runs the real swap pipeline on :class:`~swap_core.sim.MetaBackend` and reports the bytes and copies
 (exact) and the virtual clock's seconds (modeled) of a cold step, next to the unswapped optimizer's
 device memory. Nothing is allocated: llama-70b at world 8 takes a few seconds per row on a 2-core
 machine.
+
+A link preset is theoretical (``pcie5``) or measured (``pcie5-achievable``); ``ranks_per_node`` ranks share the
+preset's host memory bandwidth, each streaming its states as the modeled one does.
 
 Muon at ``world`` > 1 is swap-muon's distributed Muon: the parameters are FSDP2 DTensors on one rank
 of a fake process group (:mod:`~swap_bench.fake_world`), each matrix is owned whole by one rank,
@@ -50,8 +53,10 @@ def plan_model(
     swap_times: int,
     master_weights: bool = False,
     rank: int = 0,
+    ranks_per_node: int = 1,
 ) -> ModeledRow:
-    """Model rank ``rank``'s step for ``model`` sharded over ``world`` ranks by FSDP2.
+    """Model rank ``rank``'s step for ``model`` sharded over ``world`` ranks by FSDP2, ``ranks_per_node`` of them
+    sharing the host memory of the link preset ``link``.
 
     Parameters are bf16 with ``master_weights`` (fp32 masters swapped with the states), fp32 otherwise.
     The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own;
@@ -63,6 +68,8 @@ def plan_model(
         raise ValueError(f"Unknown link preset {link!r}; expected one of {tuple(LINK_PRESETS)}")
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"Invalid rank {rank} of world {world}: expected 0 <= rank < world")
+    if ranks_per_node < 1:
+        raise ValueError(f"Invalid ranks_per_node: {ranks_per_node} (expected >= 1)")
     dtype = torch.bfloat16 if master_weights else torch.float32
     distributed = optimizer == "muon" and world > 1
     shapes = [shape for _, shape in model.parameter_shapes()]
@@ -76,6 +83,7 @@ def plan_model(
         link,
         swap_times,
         master_weights=master_weights,
+        ranks_per_node=ranks_per_node,
         world=world,
         rank=rank,
         # torch's choice on a CUDA device; on meta tensors it would pick the single-tensor kernels.
@@ -95,15 +103,16 @@ def plan_combinations(
     master_weights: bool,
     console: Console,
     rank: int = 0,
+    ranks_per_node: Sequence[int] = (1,),
 ) -> tuple[list[ModeledRow], list[dict[str, str]]]:
     """Every combination, with a progress bar; a combination that cannot be modeled is a skipped row."""
-    combinations = list(itertools.product(models, worlds, links, swap_times))
+    combinations = list(itertools.product(models, worlds, links, ranks_per_node, swap_times))
     rows: list[ModeledRow] = []
     skipped: list[dict[str, str]] = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(combinations))
-        for model, world, link, k in combinations:
-            label = f"{model.name} {optimizer} world={world} rank={rank} {link} k={k}"
+        for model, world, link, node_ranks, k in combinations:
+            label = f"{model.name} {optimizer} world={world} rank={rank} {link} ranks/node={node_ranks} k={k}"
             progress.update(task, description=label)
             try:
                 rows.append(
@@ -115,6 +124,7 @@ def plan_combinations(
                         swap_times=k,
                         master_weights=master_weights,
                         rank=rank,
+                        ranks_per_node=node_ranks,
                     )
                 )
             except (AdapterNotFoundError, UnsupportedOptimizerError) as error:
@@ -140,19 +150,35 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="the rank modeled (default 0, the largest FSDP2 shard; distributed Muon's ranks own different matrices)",
     )
-    parser.add_argument("--link", nargs="+", default=["pcie4"], choices=list(LINK_PRESETS))
+    parser.add_argument(
+        "--link",
+        nargs="+",
+        default=["pcie4"],
+        choices=list(LINK_PRESETS),
+        help="link presets: theoretical rates (pcie4, pcie5, ascend-910b) or measured ones (NAME-achievable)",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="ranks sharing one host's memory bandwidth, each streaming its states as the modeled one (default 1)",
+    )
     parser.add_argument("--swap-times", nargs="+", type=int, default=[4], help="pipeline batches per step")
     parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
     parser.add_argument("--json", default="swap-bench-plan.json", help="where to write the JSON report")
     parser.add_argument("--markdown", default=None, help="also write the rows as a Markdown table (docs/benchmarks.md)")
     args = parser.parse_args(argv)
     models = [_model(name, parser) for name in args.model]
+    for node_ranks in args.ranks_per_node:
+        if node_ranks < 1:
+            parser.error(f"--ranks-per-node must be >= 1, got {node_ranks}")
     for world in args.world:
         if world < 1:
             parser.error(f"--world must be >= 1, got {world}")
         if not 0 <= args.rank < world:
             parser.error(f"--rank must be in [0, {world}) for --world {world}, got {args.rank}")
-    console = Console(width=None if Console().is_terminal else 200)
+    console = Console(width=None if Console().is_terminal else 240)
     started = time.perf_counter()
     rows, skipped = plan_combinations(
         models,
@@ -163,6 +189,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         master_weights=args.master_weights,
         console=console,
         rank=args.rank,
+        ranks_per_node=args.ranks_per_node,
     )
     render_modeled_table(rows, console, title=f"swap-bench plan: rank {args.rank} of an FSDP2 shard, cold step")
     for row in skipped:
@@ -188,15 +215,16 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 def markdown_table(rows: Sequence[ModeledRow]) -> str:
     """The rows as the Markdown table of docs/benchmarks.md (GB are 10^9 bytes; seconds modeled)."""
     lines = [
-        "| model | params/rank | link | k | unswapped state GB | swapped: device peak GB | host GB | copies "
-        "| T_c ms | step s | transfer s | bound s | link busy |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | params/rank | link | ranks/node | k | unswapped state GB | swapped: device peak GB | host GB "
+        "| copies | T_c ms | step s | transfer s | bound s | link busy |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row.name}{' + fp32 masters' if row.master_weights else ''} | {row.params / 1e9:.3f}B | {row.link} "
-            f"| {row.swap_times} | {row.plain_state_device_bytes / 1e9:.2f} | {row.device_peak_state_bytes / 1e9:.2f} "
-            f"| {row.host_state_bytes / 1e9:.2f} | {row.copies} | {row.update_seconds * 1e3:.1f} "
+            f"| {row.ranks_per_node} | {row.swap_times} | {row.plain_state_device_bytes / 1e9:.2f} "
+            f"| {row.device_peak_state_bytes / 1e9:.2f} | {row.host_state_bytes / 1e9:.2f} | {row.copies} "
+            f"| {row.update_seconds * 1e3:.1f} "
             f"| {row.modeled_step_seconds:.3f} | {row.modeled_transfer_seconds:.3f} | {row.bound_seconds:.3f} "
             f"| {100 * row.link_utilization:.0f}% |"
         )

@@ -19,9 +19,10 @@ from .modeled import ModeledRow
 
 __all__ = ["SCHEMA", "BenchReport", "machine_facts", "render_modeled_table", "render_table", "save_json"]
 
-SCHEMA = "swap-bench/3"
+SCHEMA = "swap-bench/4"
 """Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``; 3:
-``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds)."""
+``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds; 4: modeled rows' ``ranks_per_node`` and
+``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share)."""
 
 
 @dataclasses.dataclass
@@ -161,8 +162,8 @@ def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title:
     """Modeled rows: bytes exact, seconds on the virtual clock."""
     table = Table(title=f"{title}; seconds are modeled, not measured")
     columns = (
-        "model", "opt", "world", "link", "k", "params/rank", "plain state GB", "device peak GB", "host GB",
-        "copies", "T_c ms", "step s", "transfer s", "bound s", "transfer/bound", "link busy",
+        "model", "opt", "world", "link", "ranks/node", "k", "params/rank", "plain state GB", "device peak GB",
+        "host GB", "copies", "T_c ms", "step s", "transfer s", "bound s", "transfer/bound", "link busy",
     )  # fmt: skip
     for title_text in columns:
         table.add_column(title_text, justify="left" if title_text in ("model", "opt", "link") else "right")
@@ -172,6 +173,7 @@ def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title:
             row.optimizer,
             str(row.world),
             row.link,
+            str(row.ranks_per_node),
             str(row.swap_times) + ("" if row.packed else " per-tensor") + ("" if row.duplex else " 1-stream"),
             f"{row.params / 1e9:.3f}B" if row.params >= 10**8 else f"{row.params:,}",
             f"{row.plain_state_device_bytes / 1e9:.2f}",

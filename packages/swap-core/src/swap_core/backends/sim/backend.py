@@ -577,7 +577,7 @@ class SimBackend:
         if self._race_checker is not None:
             self._record_copy(sim_stream, direction, dst, dst_record, src, src_record)
         clock = self._clock
-        copied_at = clock.issue_copy(sim_stream.name, clock.link.copy_seconds(direction, nbytes)) if clock else 0.0
+        copied_at = clock.issue_transfer(sim_stream.name, direction, nbytes) if clock else 0.0
         op = QueuedCopy(dst, src, direction)
         pageable = (dst_record is not None and dst_record.is_pageable) or (
             src_record is not None and src_record.is_pageable

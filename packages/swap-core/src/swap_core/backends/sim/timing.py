@@ -10,6 +10,15 @@ and on every machine:
   it and its stream is free (and every event the stream waits for has passed);
 - a copy lasts its bytes over the link's bandwidth in its direction (device to device: twice its
   bytes over device memory bandwidth); copies on two streams overlap, copies on one stream do not;
+- a host-device copy (:meth:`VirtualClock.issue_transfer`) shares the link with the copies in the
+  other direction that run at the same time: both directions together move at most
+  ``duplex_factor`` times one direction's bandwidth, and every copy of the rank together at most
+  its share of host memory bandwidth (``host_memory_gbps / ranks_sharing_host``), which also caps a
+  copy alone. A copy never changes the times of copies issued before it (they were handed out, and
+  events may carry them): it gets what they leave of the link, so while both directions run they
+  move ``duplex_factor`` times one direction's bytes, as a fair split would, and the later copy ends
+  later than under a fair split (two equal copies issued together: ``3 - duplex_factor`` times one
+  copy alone). Two copies in one direction on two streams still overlap unslowed;
 - a compute op inside ``compute_scope`` lasts the bytes it touches over device memory bandwidth,
   a matrix product its FLOPs over ``device_tflops`` if that is longer;
 - an event carries its stream's time when recorded; a stream that waits for it starts no later
@@ -36,6 +45,9 @@ __all__ = ["LINK_PRESETS", "LinkModel", "ModeledTimes", "TimedComputeMode", "Vir
 
 _GB = 1e9
 
+_HOST_LINK_DIRECTIONS = ("h2d", "d2h")
+"""Copy directions that cross the host link (a device-to-device copy stays in device memory)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
@@ -51,15 +63,33 @@ class LinkModel:
     """Host time to issue one op (kernel launch or copy)."""
     device_tflops: float = 100.0
     """Peak matrix-multiply rate (10^12 FLOP/s), for matrix products (Muon's Newton-Schulz)."""
+    duplex_factor: float = 2.0
+    """Both directions at once move at most this many times one direction's bandwidth, in [1, 2]: 2.0 is a
+    full-duplex link (each direction at its own rate), 1.0 one that moves one direction at a time."""
+    host_memory_gbps: float | None = None
+    """Host memory bandwidth that the ranks on one host share (a host-to-device copy reads it, a device-to-host
+    copy writes it); ``None``: host memory is never the bottleneck. On a host of several sockets, their sum: each
+    rank's pinned memory on its own device's socket, the ranks spread evenly, so that a rank's share is also its
+    socket's bandwidth over the ranks on that socket."""
+    ranks_sharing_host: int = 1
+    """Ranks streaming through that host memory at once, each as this one does: this rank's copies together get
+    ``host_memory_gbps / ranks_sharing_host``."""
 
     def __post_init__(self) -> None:
-        for field in ("h2d_gbps", "d2h_gbps", "device_gbps", "device_tflops", "launch_us"):
+        for field in ("h2d_gbps", "d2h_gbps", "device_gbps", "device_tflops", "launch_us", "duplex_factor"):
             value: object = getattr(self, field)  # checked at runtime whatever the annotation says
             positive = field != "launch_us"
-            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            if not number or value < 0 or (positive and value == 0):  # type: ignore[operator]
+            if not _finite_number(value) or value < 0 or (positive and value == 0):  # type: ignore[operator]
                 bound = "> 0" if positive else ">= 0"
                 raise ValueError(f"LinkModel.{field} must be a finite number {bound}, got {value!r}")
+        if not 1.0 <= self.duplex_factor <= 2.0:
+            raise ValueError(f"LinkModel.duplex_factor must be in [1, 2], got {self.duplex_factor!r}")
+        host: object = self.host_memory_gbps
+        if host is not None and (not _finite_number(host) or host <= 0):  # type: ignore[operator]
+            raise ValueError(f"LinkModel.host_memory_gbps must be None or a finite number > 0, got {host!r}")
+        ranks: object = self.ranks_sharing_host
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"LinkModel.ranks_sharing_host must be an int >= 1, got {ranks!r}")
 
     @classmethod
     def preset(cls, name: str) -> LinkModel:
@@ -69,31 +99,102 @@ class LinkModel:
         except KeyError:
             raise ValueError(f"Unknown LinkModel preset {name!r}; presets are {sorted(LINK_PRESETS)}") from None
 
-    def copy_seconds(self, direction: str, nbytes: int) -> float:
-        """How long a copy of ``nbytes`` lasts in ``direction`` (``"h2d"``, ``"d2h"`` or ``"d2d"``)."""
+    @property
+    def host_share_gbps(self) -> float:
+        """The host memory bandwidth this rank's copies get together (infinite without ``host_memory_gbps``)."""
+        if self.host_memory_gbps is None:
+            return math.inf
+        return self.host_memory_gbps / self.ranks_sharing_host
+
+    def link_gbps(self, direction: str) -> float:
+        """The link's own bandwidth in ``direction`` (``"h2d"`` or ``"d2h"``), before any host memory share."""
         if direction == "h2d":
-            return nbytes / (self.h2d_gbps * _GB)
+            return self.h2d_gbps
         if direction == "d2h":
-            return nbytes / (self.d2h_gbps * _GB)
+            return self.d2h_gbps
+        raise ValueError(f"Not a host-device copy direction: {direction!r} (expected 'h2d' or 'd2h')")
+
+    def copy_gbps(self, direction: str) -> float:
+        """The bandwidth of a host-device copy alone in ``direction``: its link's, or the host share if lower."""
+        return min(self.link_gbps(direction), self.host_share_gbps)
+
+    def copy_seconds(self, direction: str, nbytes: int) -> float:
+        """How long a copy of ``nbytes`` alone lasts in ``direction`` (``"h2d"``, ``"d2h"`` or ``"d2d"``)."""
+        if direction in _HOST_LINK_DIRECTIONS:
+            return nbytes / (self.copy_gbps(direction) * _GB)
         return 2 * nbytes / (self.device_gbps * _GB)
+
+    def concurrent_copy_seconds(self, h2d_nbytes: int, d2h_nbytes: int) -> float:
+        """The least time in which a host-to-device and a device-to-host copy run at once can both finish.
+
+        Each direction at most its own bandwidth, both together at most ``duplex_factor`` times one direction's
+        (in shares of each direction's bandwidth) and at most the host share: the bound of a pipeline whose
+        copy-in and copy-out overlap. Two directions alone at full duplex: the longer of the two copies.
+        """
+        return max(
+            self.copy_seconds("h2d", h2d_nbytes),
+            self.copy_seconds("d2h", d2h_nbytes),
+            (h2d_nbytes / (self.h2d_gbps * _GB) + d2h_nbytes / (self.d2h_gbps * _GB)) / self.duplex_factor,
+            (h2d_nbytes + d2h_nbytes) / (self.host_share_gbps * _GB),
+        )
 
     def compute_seconds(self, touched_bytes: int, flops: int = 0) -> float:
         """How long a compute op lasts: bytes over memory bandwidth, or FLOPs over the matmul rate if longer."""
         return max(touched_bytes / (self.device_gbps * _GB), flops / (self.device_tflops * 1e12))
 
 
+def _finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 LINK_PRESETS: Mapping[str, LinkModel] = {
+    # Theoretical rates; PCIe is full duplex (each direction has its own lanes): duplex_factor 2.0.
     # PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b coding = 31.5 GB/s per direction (PCI-SIG); device: NVIDIA A100
-    # 40GB PCIe, 1,555 GB/s HBM2, 312 TFLOPS dense bf16 (NVIDIA A100 datasheet).
-    "pcie4": LinkModel(h2d_gbps=31.5, d2h_gbps=31.5, device_gbps=1555.0, device_tflops=312.0),
+    # 40GB PCIe, 1,555 GB/s HBM2, 312 TFLOPS dense bf16 (NVIDIA A100 datasheet). Host memory: two sockets of 8 DDR4
+    # channels (an 8x A100 node, NVIDIA/nvbandwidth#53) at 3,200 MT/s, 8 bytes a transfer: 409.6 GB/s.
+    "pcie4": LinkModel(h2d_gbps=31.5, d2h_gbps=31.5, device_gbps=1555.0, device_tflops=312.0, host_memory_gbps=409.6),
     # PCIe 5.0 x16: 32 GT/s, 63 GB/s per direction (PCI-SIG); device: NVIDIA H100 SXM, 3,350 GB/s HBM3, 989 TFLOPS
-    # dense bf16 (NVIDIA H100 datasheet; its 1,979 counts sparsity).
-    "pcie5": LinkModel(h2d_gbps=63.0, d2h_gbps=63.0, device_gbps=3350.0, device_tflops=989.0),
+    # dense bf16 (NVIDIA H100 datasheet; its 1,979 counts sparsity). Host memory: an 8-GPU Hopper node's two Xeon
+    # Platinum 8480C with 32 DIMMs (NVIDIA's MLPerf system description), 8 DDR5 channels each; two DIMMs per channel
+    # run at 4,400 MT/s (Dell): 16 x 4,400 MT/s x 8 bytes = 563.2 GB/s.
+    "pcie5": LinkModel(h2d_gbps=63.0, d2h_gbps=63.0, device_gbps=3350.0, device_tflops=989.0, host_memory_gbps=563.2),
     # Ascend 910B: host link PCIe 4.0 x16 (31.5 GB/s); HBM2e whose bandwidth public sources give between 0.4 and
     # 1.6 TB/s (1.2 TB/s taken here); 280 TFLOPS fp16 (Gitee AI's Ascend 910B documentation). Treat as indicative.
+    # No public figure for its host's memory bandwidth was found: host memory is not modeled.
     "ascend-910b": LinkModel(h2d_gbps=31.5, d2h_gbps=31.5, device_gbps=1200.0, device_tflops=280.0),
+    # Achievable rates: pinned copies as measured by nvbandwidth's copy-engine tests; device rates as above. Host
+    # memory: assumed 80% of the wire rate (no public STREAM result for these hosts was found).
+    # A100 on PCIe 4.0: 25-26 GB/s each way alone; both at once, 12-13 GB/s host-to-device beside 24 GB/s
+    # device-to-host (NVIDIA/nvbandwidth#11), 11 beside 25 on an A100-SXM4 node (#53): about 1.4 x one direction.
+    "pcie4-achievable": LinkModel(
+        h2d_gbps=25.5,
+        d2h_gbps=25.5,
+        device_gbps=1555.0,
+        device_tflops=312.0,
+        duplex_factor=1.4,
+        host_memory_gbps=327.68,
+    ),
+    # H100 on PCIe 5.0: about 55 GB/s each way alone (an nvbandwidth host_to_device_memcpy_ce run at 55.63 GB/s;
+    # 52.77 GB/s device-to-host with SM copies on an 8x H100 node, NVIDIA/nvbandwidth#24). No public pair of
+    # bidirectional H100 figures was found: duplex_factor assumed PCIe 4's measured 1.4 (the one PCIe 5 report,
+    # 51 GB/s host-to-device under device-to-host traffic in #53, gives no figure for the other direction).
+    "pcie5-achievable": LinkModel(
+        h2d_gbps=55.0,
+        d2h_gbps=55.0,
+        device_gbps=3350.0,
+        device_tflops=989.0,
+        duplex_factor=1.4,
+        host_memory_gbps=450.56,
+    ),
+    # Ascend 910B: no public pinned-copy measurement was found; assumed the A100's on the same PCIe 4.0 x16.
+    "ascend-910b-achievable": LinkModel(
+        h2d_gbps=25.5, d2h_gbps=25.5, device_gbps=1200.0, device_tflops=280.0, duplex_factor=1.4
+    ),
 }
-"""The named links of :meth:`LinkModel.preset`: theoretical rates, which real pinned copies approach, never reach."""
+"""The named links of :meth:`LinkModel.preset`: theoretical rates (``pcie4``, ``pcie5``, ``ascend-910b``), which real
+pinned copies approach, never reach, and ``-achievable`` ones, as measured (docs/simulator.md gives the sources).
+A preset describes one rank alone on its host: ``dataclasses.replace(link, ranks_sharing_host=8)`` shares the host's
+memory with 8 ranks."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +220,7 @@ class VirtualClock:
         self.host = 0.0
         """When the host issues its next op."""
         self._free_at: dict[str, float] = {}
+        self._host_link = _HostLinkUsage(link)
         self.transfers_started: float | None = None
         """The start of the first copy since :meth:`start_transfer_window` (``None``: none yet)."""
 
@@ -130,6 +232,25 @@ class VirtualClock:
         """A copy of ``seconds`` on ``stream``, issued by the host now; returns when it ends."""
         end = self.issue(stream, seconds)
         start = end - seconds
+        if self.transfers_started is None or start < self.transfers_started:
+            self.transfers_started = start
+        return end
+
+    def issue_transfer(self, stream: str, direction: str, nbytes: int) -> float:
+        """A copy of ``nbytes`` in ``direction`` on ``stream``, issued by the host now; returns when it ends.
+
+        A host-device copy shares the link with the copies in the other direction issued before it (the duplex
+        factor and the host memory share, see the module's docstring); a device-to-device copy is
+        :meth:`issue_copy` of its :meth:`LinkModel.copy_seconds`.
+        """
+        seconds = self.link.copy_seconds(direction, nbytes)
+        if direction not in _HOST_LINK_DIRECTIONS:
+            return self.issue_copy(stream, seconds)
+        self._host_link.forget_before(self.host)  # no copy issued from now on starts earlier
+        start = max(self.host, self.free_at(stream))
+        end = self._host_link.occupy(direction, start, seconds)
+        self._free_at[stream] = end
+        self.host += self.link.launch_us * 1e-6
         if self.transfers_started is None or start < self.transfers_started:
             self.transfers_started = start
         return end
@@ -157,6 +278,56 @@ class VirtualClock:
     def latest(self) -> float:
         """When every stream has finished everything issued to it."""
         return max(self._free_at.values(), default=0.0)
+
+
+class _HostLinkUsage:
+    """The bandwidth that the host-device copies issued so far take, direction by direction, over virtual time.
+
+    Each copy is kept as spans of constant bandwidth (bytes/s) until no copy issued later can start before they
+    end. A new copy gets, at every instant, what the copies in the other direction leave: at most its bandwidth
+    alone, at most ``duplex_factor - u`` times its direction's link bandwidth (``u``: the share of their own
+    direction's link bandwidth they use), and at most the host share minus their bytes/s.
+    """
+
+    def __init__(self, link: LinkModel) -> None:
+        self._link = link
+        self._spans: dict[str, list[tuple[float, float, float]]] = {
+            direction: [] for direction in _HOST_LINK_DIRECTIONS
+        }
+
+    def forget_before(self, time: float) -> None:
+        """Drop the spans that end by ``time``."""
+        for direction, spans in self._spans.items():
+            self._spans[direction] = [span for span in spans if span[1] > time]
+
+    def occupy(self, direction: str, start: float, seconds: float) -> float:
+        """Place a copy that alone lasts ``seconds`` in ``direction`` from ``start``; returns when it ends."""
+        link = self._link
+        alone = link.copy_gbps(direction) * _GB
+        other_direction = "d2h" if direction == "h2d" else "h2d"
+        other_spans = self._spans[other_direction]
+        bounds = sorted({time for span in other_spans for time in span[:2] if time > start})
+        spans: list[tuple[float, float, float]] = []
+        slowed = False
+        now, remaining = start, seconds  # remaining: seconds of the copy alone still to run
+        own_link, other_link = link.link_gbps(direction) * _GB, link.link_gbps(other_direction) * _GB
+        for until in [*bounds, math.inf]:  # the other direction's bandwidth is constant in between
+            other = sum(rate for begin, end, rate in other_spans if begin <= now < end)
+            duplex_left = max(0.0, link.duplex_factor - other / other_link)  # in shares of this direction's link
+            rate = min(alone, own_link * duplex_left, max(0.0, link.host_share_gbps * _GB - other))
+            slowed = slowed or rate < alone
+            if rate > 0:  # else the copy waits for the link
+                finish = now + remaining * alone / rate
+                if finish <= until:
+                    spans.append((now, finish, rate))
+                    break
+                spans.append((now, until, rate))
+                remaining -= (until - now) * rate / alone
+            now = until
+        if not slowed:  # exactly the copy alone, as without sharing
+            spans = [(start, start + seconds, alone)]
+        self._spans[direction].extend(spans)
+        return spans[-1][1]
 
 
 class TimedComputeMode(ProgramOpMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
