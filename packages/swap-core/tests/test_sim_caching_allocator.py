@@ -13,7 +13,7 @@ import torch
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.backends.protocol import DeviceBackend, Stream
 from swap_core.errors import SimUseAfterFreeError
-from swap_core.sim import LinkModel, SimBackend
+from swap_core.sim import LinkModel, SimBackend, modeled_iterations
 
 pytestmark = pytest.mark.sim_only  # tests of the simulator itself: skipped with --backend cuda|npu
 
@@ -279,3 +279,23 @@ def test_a_restore_never_takes_another_released_storages_block() -> None:
     sim.restore_storage(second)
     assert second.untyped_storage().data_ptr() == mapped_at, "the restore took its own block back, still mapped"
     assert (sim.memory_allocated(), sim.memory_reserved()) == (512, 512)
+
+
+def test_a_training_loops_reserved_staging_is_at_most_twice_the_peak() -> None:
+    """The allocator never waits for the last copy-out of a step: the next step's staging takes new blocks while it
+    runs. In a loop that reads its loss every iteration (the host then never runs more than a step ahead), the
+    device holds at most two sets of staging: the step's arenas and the previous step's, still being copied out.
+    What the step allocates at once stays the two arenas it always was."""
+    sim = SimBackend(mode="lazy", check_races=False, poison=False, timing=LinkModel.preset("pcie5"))
+    params = [torch.nn.Parameter(torch.randn(256, 256)) for _ in range(8)]
+    optimizer = swap_optimizer(torch.optim.RMSprop(params), SwapConfig(backend=sim, swap_times=4))
+
+    def step() -> None:
+        for param in params:
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+
+    modeled_iterations(sim, step, forward_backward_seconds=1e-3, iterations=6, read_loss=True)
+    staging = optimizer.stats.peak_state_device_bytes
+    assert sim.max_memory_allocated() == staging
+    assert staging < sim.max_memory_reserved() <= 2 * staging
