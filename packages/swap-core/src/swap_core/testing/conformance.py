@@ -215,16 +215,29 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     @layouts
     @pytest.mark.parametrize("mode,seed", SIM_MODES, ids=[f"{m}{s}" for m, s in SIM_MODES])
     def test_conformance_parity(
-        case: ConformanceCase, packed: bool, duplex: bool, mode: str, seed: int, swap_backend_factory: BackendFactory
+        case: ConformanceCase,
+        packed: bool,
+        duplex: bool,
+        mode: str,
+        seed: int,
+        swap_backend_factory: BackendFactory,
+        backend_name: str,
     ) -> None:
+        _require_device_type(case, backend_name)
         check_parity(case, swap_backend_factory(mode=mode, seed=seed), packed=packed, duplex=duplex)
 
     @case_param
     @pytest.mark.parametrize("options", OPTION_VARIANTS, ids=_options_id)
     @pytest.mark.parametrize("mode,seed", OPTION_MODES, ids=[f"{m}{s}" for m, s in OPTION_MODES])
     def test_conformance_options(
-        case: ConformanceCase, options: dict[str, Any], mode: str, seed: int, swap_backend_factory: BackendFactory
+        case: ConformanceCase,
+        options: dict[str, Any],
+        mode: str,
+        seed: int,
+        swap_backend_factory: BackendFactory,
+        backend_name: str,
     ) -> None:
+        _require_device_type(case, backend_name)
         check_parity(case, swap_backend_factory(mode=mode, seed=seed), **options)
 
     @case_param
@@ -232,19 +245,26 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     @pytest.mark.parametrize("swap_times", [1, 3, 8])
     @pytest.mark.sim_only
     def test_conformance_accounting(
-        case: ConformanceCase, packed: bool, swap_times: int, swap_backend_factory: BackendFactory
+        case: ConformanceCase, packed: bool, swap_times: int, swap_backend_factory: BackendFactory, backend_name: str
     ) -> None:
+        _require_device_type(case, backend_name)
         check_accounting(case, swap_backend_factory(mode="lazy"), packed=packed, swap_times=swap_times)
 
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-    def test_conformance_checkpoint(case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory) -> None:
+    def test_conformance_checkpoint(
+        case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory, backend_name: str
+    ) -> None:
+        _require_device_type(case, backend_name)
         check_checkpoint_round_trip(case, swap_backend_factory(mode="random", seed=7), packed=packed)
 
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
     @pytest.mark.sim_only
-    def test_conformance_faults(case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory) -> None:
+    def test_conformance_faults(
+        case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory, backend_name: str
+    ) -> None:
+        _require_device_type(case, backend_name)
         points = fault_points(case, swap_backend_factory(mode="lazy"), packed=packed)
         assert points, f"{case.name}: no fault points found"
         for point in points:
@@ -254,8 +274,14 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     @pytest.mark.parametrize("habit", list(HABIT_CHECKS))
     @pytest.mark.parametrize("mode,seed", HABIT_MODES, ids=[f"{m}{s}" for m, s in HABIT_MODES])
     def test_conformance_torch_habits(
-        case: ConformanceCase, habit: str, mode: str, seed: int, swap_backend_factory: BackendFactory
+        case: ConformanceCase,
+        habit: str,
+        mode: str,
+        seed: int,
+        swap_backend_factory: BackendFactory,
+        backend_name: str,
     ) -> None:
+        _require_device_type(case, backend_name)
         HABIT_CHECKS[habit](case, swap_backend_factory(mode=mode, seed=seed))
 
     return {
@@ -269,6 +295,15 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
 
 
 # -- helpers -----------------------------------------------------------------------
+def _require_device_type(case: ConformanceCase, backend_name: str) -> None:
+    """Skip ``case`` on a backend whose device type its optimizer does not run on."""
+    import pytest
+
+    device_type = "cpu" if backend_name == "sim" else backend_name
+    if case.device_types is not None and device_type not in case.device_types:
+        pytest.skip(f"{case.name}: the optimizer runs on {', '.join(case.device_types)} only, not on {device_type}")
+
+
 def _options_id(options: Mapping[str, Any]) -> str:
     return "-".join(f"{key}={value}" for key, value in options.items())
 

@@ -61,6 +61,9 @@ class ConformanceCase:
     adapter_factory: AdapterFactory | None = None
     """The adapter to wrap with (``None``: the registry's, as ``swap_optimizer`` finds it); e.g. the generic
     adapter over Adam, to cross-check it against the dedicated one."""
+    device_types: tuple[str, ...] | None = None
+    """Device types the optimizer runs on (``None``: any): on another ``--backend`` the case is skipped, naming
+    them (torch's fused Adagrad, for one, runs on CPU parameters only)."""
 
     def __str__(self) -> str:
         return self.name
