@@ -20,6 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import swap_core.backends.accelerator as accelerator
+from swap_core.backend_selection import select_backend
 from swap_core.backends.accelerator import SUPPORTED_DEVICE_TYPES, AcceleratorBackend
 from swap_core.backends.host_memory import PAGE_BYTES, pinned_size
 from swap_core.backends.host_registration import HostRegistrar, _CudaHostRegistrar, host_registrar
@@ -917,3 +918,13 @@ def test_timing_events_measure_device_time_in_seconds() -> None:
     end = backend.record_event(backend.compute_stream(), timing=True)
     assert backend.elapsed_seconds(start, end) == 0.0025
     assert not backend.record_event(backend.compute_stream()).enable_timing  # type: ignore[attr-defined]
+
+
+def test_a_device_backend_is_taken_for_an_optimizer_without_parameters_yet(fake_backend: AcceleratorBackend) -> None:
+    """An optimizer whose groups come later (``AdamW([{"params": []}])``, then ``add_param_group``): the backend given
+    is taken as it is. (Found on an H200: with no parameter the check asked whether a CUDA backend owns CPU memory;
+    the simulator owns CPU tensors, so only a device showed it.)"""
+    assert select_backend(fake_backend, []) is fake_backend
+    assert select_backend("auto", []) is None, "auto follows parameters: with none, nothing is swapped yet"
+    with pytest.raises(ValueError, match="does not own parameters on cpu"):
+        select_backend(fake_backend, [torch.zeros(3)])

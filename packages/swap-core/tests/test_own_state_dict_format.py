@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from swap_core.backends.cpu import CpuBackend
 from swap_core.testing.conformance import through_torch_save
 from swap_core.testing.pairs import ConformanceCase, make_groups, make_pair, swap_config, wrap_case
 
@@ -65,7 +66,7 @@ def test_load_hooks_run_once_given_the_wrapper_on_every_path(swap_backend_factor
         (CASE, None),  # CPU parameters, no backend: the wrapped optimizer's own load runs
     ):
         if backend is None:
-            pair = make_pair(case, swap_backend_factory(mode="lazy"))
+            pair = make_pair(case, CpuBackend())  # CPU parameters, whichever --backend the suite runs with
             optimizer = wrap_case(case, case.make_optimizer(make_groups(case, pair.swapped_params)), _cpu_config())
             assert optimizer.backend is None
         else:

@@ -24,13 +24,17 @@ def select_backend(
     accelerator's backend; CPU parameters get no swapping at all (the wrapped
     optimizer runs unchanged, with the same results), or, with ``master_weights``, a
     :class:`~swap_core.backends.cpu.CpuBackend`: the runtime runs the master math on the
-    CPU, with nothing swapped.
+    CPU, with nothing swapped. Without parameters (an optimizer whose groups come later), a
+    backend given or named (``"cuda"``...) is taken as it is; ``add_param_group`` checks the
+    parameters it brings.
     """
     devices = _devices(params)
     if len(devices) > 1:
         raise ValueError(
             f"Parameters live on several devices {sorted(map(str, devices))}; swap one optimizer per device"
         )
+    if not devices and spec not in ("auto", "sim"):  # no parameter yet: the backend named or given is taken
+        return spec if not isinstance(spec, str) else _accelerator(spec, None)
     device = next(iter(devices), torch.device("cpu"))
     if not isinstance(spec, str):
         if not spec.owns(torch.empty(0, device=device)):
