@@ -12,10 +12,12 @@ from rich.console import Console
 from rich.progress import Progress
 
 from swap_core import DeviceBackend
+from swap_core.backends.accelerator import accelerator_available
 from swap_core.config import BACKEND_NAMES
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
+from .arguments import count, output_file, positive_count
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
@@ -152,10 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=sorted(OPTIMIZERS))
     parser.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the simulator's 'device')")
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--json", default="swap-bench.json", help="where to write the JSON report")
+    parser.add_argument(
+        "--threads", type=positive_count, default=1, help="torch CPU threads (the simulator's 'device')"
+    )
+    parser.add_argument("--warmup", type=count, default=None, help="steps before timing (default 2; --quick: 1)")
+    parser.add_argument("--repeats", type=positive_count, default=None, help="timed steps (default 9; --quick: 1)")
+    parser.add_argument("--json", type=output_file, default="swap-bench.json", help="where to write the JSON report")
     parser.add_argument(
         "--compare",
         nargs="*",
@@ -176,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the link the rows are also modeled on (virtual clock, meta tensors), beside the measured ones",
     )
     args = parser.parse_args(arguments)
+    if args.backend not in ("auto", "sim") and not accelerator_available(args.backend):
+        parser.error(
+            f"--backend {args.backend}: torch {torch.__version__} has no usable {args.backend} device here "
+            "(use --backend sim, or auto)"
+        )
     torch.set_num_threads(args.threads)
     backend_name, detail, factory = _backend(args.backend)
     host_allocator = "system"

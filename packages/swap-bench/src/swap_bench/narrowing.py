@@ -36,6 +36,7 @@ from rich.table import Table
 from swap_core import UpdateBatch
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 
+from .arguments import output_file, positive_count
 from .report import SCHEMA, machine_facts, save_json
 from .workloads import OPTIMIZERS, OptimizerSpec
 
@@ -214,17 +215,18 @@ def narrowing_main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench narrowing`` command: measure, print the table, write the JSON report."""
     parser = argparse.ArgumentParser(prog="swap-bench narrowing", description=__doc__)
     parser.add_argument("--optimizers", nargs="+", default=list(NARROWING_OPTIMIZERS), choices=sorted(OPTIMIZERS))
-    parser.add_argument("--batches", type=int, default=NarrowingConfig.batches, help="pipeline batches per step")
-    parser.add_argument("--params-per-batch", type=int, default=NarrowingConfig.params_per_batch)
-    parser.add_argument("--numel", type=int, default=NarrowingConfig.numel, help="elements per parameter")
-    parser.add_argument("--repeats", type=int, default=NarrowingConfig.repeats)
+    parser.add_argument(
+        "--batches", type=positive_count, default=NarrowingConfig.batches, help="pipeline batches per step"
+    )
+    parser.add_argument("--params-per-batch", type=positive_count, default=NarrowingConfig.params_per_batch)
+    parser.add_argument("--numel", type=positive_count, default=NarrowingConfig.numel, help="elements per parameter")
+    parser.add_argument("--repeats", type=positive_count, default=NarrowingConfig.repeats)
     parser.add_argument("--quick", action="store_true", help="a few repeats: a smoke run (schema, bitwise check)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--json", default="swap-bench-narrowing.json", help="where to write the JSON report")
+    parser.add_argument("--threads", type=positive_count, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--json", type=output_file, default="swap-bench-narrowing.json", help="where to write the JSON report"
+    )
     args = parser.parse_args(argv)
-    for name in ("batches", "params_per_batch", "numel", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     config = NarrowingConfig(
         batches=args.batches,

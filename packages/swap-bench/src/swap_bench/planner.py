@@ -32,6 +32,7 @@ from rich.progress import Progress
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
+from .arguments import count, output_file, positive_count
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
 from .report import SCHEMA, machine_facts, render_modeled_table, save_json
@@ -143,10 +144,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         help=f"presets ({', '.join(MODELS)}) or paths to a Llama-style Hugging Face config.json",
     )
     parser.add_argument("--optimizer", default="adamw", choices=PLAN_OPTIMIZERS)
-    parser.add_argument("--world", nargs="+", type=int, default=[8], help="FSDP2 ranks sharding the model")
+    parser.add_argument("--world", nargs="+", type=positive_count, default=[8], help="FSDP2 ranks sharding the model")
     parser.add_argument(
         "--rank",
-        type=int,
+        type=count,
         default=0,
         help="the rank modeled (default 0, the largest FSDP2 shard; distributed Muon's ranks own different matrices)",
     )
@@ -160,23 +161,25 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ranks-per-node",
         nargs="+",
-        type=int,
+        type=positive_count,
         default=[1],
         help="ranks sharing one host's memory bandwidth, each streaming its states as the modeled one (default 1)",
     )
-    parser.add_argument("--swap-times", nargs="+", type=int, default=[4], help="pipeline batches per step")
+    parser.add_argument("--swap-times", nargs="+", type=positive_count, default=[4], help="pipeline batches per step")
     parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
-    parser.add_argument("--json", default="swap-bench-plan.json", help="where to write the JSON report")
-    parser.add_argument("--markdown", default=None, help="also write the rows as a Markdown table (docs/benchmarks.md)")
+    parser.add_argument(
+        "--json", type=output_file, default="swap-bench-plan.json", help="where to write the JSON report"
+    )
+    parser.add_argument(
+        "--markdown",
+        type=output_file,
+        default=None,
+        help="also write the rows as a Markdown table (docs/benchmarks.md)",
+    )
     args = parser.parse_args(argv)
     models = [_model(name, parser) for name in args.model]
-    for node_ranks in args.ranks_per_node:
-        if node_ranks < 1:
-            parser.error(f"--ranks-per-node must be >= 1, got {node_ranks}")
     for world in args.world:
-        if world < 1:
-            parser.error(f"--world must be >= 1, got {world}")
-        if not 0 <= args.rank < world:
+        if not args.rank < world:
             parser.error(f"--rank must be in [0, {world}) for --world {world}, got {args.rank}")
     console = Console(width=None if Console().is_terminal else 240)
     started = time.perf_counter()

@@ -1,0 +1,52 @@
+"""Argument types shared by swap-bench's commands: a user's mistake is an ``error:`` line and exit status 2.
+
+argparse turns a type function's ``ArgumentTypeError`` into its usual ``usage: ... error: argument --x: ...``
+line, before any work starts: a count that cannot be (``--repeats 0``, ``--swap-times 0``) and an output file that
+cannot be written (a directory, a missing or read-only folder) are refused there, not after a long run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+__all__ = ["count", "output_file", "positive_count"]
+
+
+def positive_count(text: str) -> int:
+    """An int >= 1 (repeats, threads, batches, world sizes)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def count(text: str) -> int:
+    """An int >= 0 (warm-up steps)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file path that can be written: not a directory, in an existing folder this process may write into."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name (e.g. {path / 'report.json'})")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist; create it first")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written (permission denied)")
+    if not path.exists() and not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot create files in {folder} (permission denied)")
+    return text
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
