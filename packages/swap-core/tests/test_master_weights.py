@@ -262,6 +262,48 @@ def test_master_state_dict_exports_the_fp32_masters_keyed_like_the_model() -> No
             assert exported[name].data_ptr() != optimizer.state[param][MASTER_KEY].data_ptr(), "a copy"
 
 
+class _TiedModel(torch.nn.Module):
+    """An embedding and a head sharing one weight (tied), and a bf16 layer that never gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16).bfloat16()
+        self.frozen = torch.nn.Linear(16, 16).bfloat16()
+        self.head = torch.nn.Linear(16, 32, bias=False).bfloat16()
+        self.head.weight = self.emb.weight
+
+
+def test_master_state_dict_gives_every_name_of_a_tied_weight_its_master_and_exports_one_dtype() -> None:
+    model = _TiedModel()
+    params = [model.emb.weight, *model.frozen.parameters()]
+    optimizer = swapped(params, SimBackend(mode="lazy"))
+    for _ in range(2):
+        model.emb.weight.grad = torch.full_like(model.emb.weight, 0.5)
+        optimizer.step()
+    exported = master_state_dict(model, optimizer)
+    master = optimizer.state[model.emb.weight][MASTER_KEY]
+    for name in ("emb.weight", "head.weight"):
+        assert_bitwise_equal(master, exported[name], f"{name}: the tied weight's fp32 master, under both names")
+    assert not torch.equal(exported["emb.weight"], model.emb.weight.float()), "the master moved off the bf16 grid"
+    for name in ("frozen.weight", "frozen.bias"):  # never stepped: no master, its own values in fp32
+        assert_bitwise_equal(model.get_parameter(name).float(), exported[name], name)
+    assert {value.dtype for value in exported.values()} == {torch.float32}
+
+
+def test_a_checkpoint_whose_masters_were_cast_down_loads_them_as_fp32_with_a_warning() -> None:
+    params = [torch.nn.Parameter(torch.randn(16, 8).bfloat16()) for _ in range(2)]
+    optimizer = swapped(params, SimBackend(mode="lazy"))
+    for param in params:
+        param.grad = torch.full_like(param, 0.25)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for entry in saved["state"].values():
+        entry[MASTER_KEY] = entry[MASTER_KEY].bfloat16()  # saved in the model's dtype
+    with pytest.warns(UserWarning, match=r"holds 2 'master_param' in a lower precision than float32"):
+        optimizer.load_state_dict(saved)
+    assert all(optimizer.state[param][MASTER_KEY].dtype == torch.float32 for param in params)
+
+
 def test_master_weights_over_dtensor_parameters_are_sharded_like_them_and_match_the_reference() -> None:
     """A 1-rank mesh here (every rank does the same on its shard): the master of a DTensor parameter is an fp32
     DTensor of its layout whose local shard is swapped; the multi-rank runs and their DCP checkpoints are

@@ -266,7 +266,9 @@ def master_state_dict(module: torch.nn.Module, *optimizers: torch.optim.Optimize
 
     For a final full-precision export of a model trained with ``master_weights=True``: keys and
     everything else (fp32 parameters, buffers) are ``module.state_dict()``'s; a master is looked up
-    in the state of whichever of ``optimizers`` holds the parameter. Each optimizer is synchronized
+    in the state of whichever of ``optimizers`` holds the parameter, under every name of a tied
+    parameter. A bf16/fp16 parameter without a master (it never had a gradient) is exported as fp32
+    too, its own values, so that every parameter of the export is fp32. Each optimizer is synchronized
     first (a swapped master is read from its host mirror); the values are new CPU tensors.
     """
     masters: dict[int, torch.Tensor] = {}
@@ -278,12 +280,15 @@ def master_state_dict(module: torch.nn.Module, *optimizers: torch.optim.Optimize
             master = state.get(MASTER_KEY)
             if isinstance(master, torch.Tensor):
                 masters[id(param)] = master
-    names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
     exported = dict(module.state_dict())
-    for param_id, master in masters.items():
-        name = names.get(param_id)
-        if name is not None and name in exported:
+    for name, param in module.named_parameters(remove_duplicate=False):  # every name of a tied parameter
+        if name not in exported:
+            continue
+        master = masters.get(id(param))
+        if master is not None:
             exported[name] = master.detach().to("cpu", copy=True)
+        elif has_master(param):  # never stepped: its master would be itself; fp32 like the others
+            exported[name] = param.detach().to("cpu", dtype=MASTER_DTYPE, copy=True)
     return exported
 
 

@@ -75,6 +75,11 @@ _PLAIN_CHECKPOINT = (
     f"The checkpoint has no {MASTER_KEY!r} for {{count}} bfloat16/float16 parameter(s) (saved without master "
     "weights): their fp32 masters start as the parameters' current values, and their loaded states are kept in fp32"
 )
+_LOW_PRECISION_MASTERS = (
+    f"The checkpoint holds {{count}} {MASTER_KEY!r} in a lower precision than float32 (cast down before it was "
+    "saved, e.g. with the model's own dtype): they load as float32 from their rounded values, so the precision "
+    "master weights keep was lost before this load"
+)
 _STATES_BEFORE_WRAPPING = (
     "{count} bfloat16/float16 parameter(s) had optimizer states before wrapping (made by an earlier step or by "
     "{name}'s constructor) and no fp32 master: their masters start as the parameters, and their states are kept in "
@@ -910,6 +915,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         groups, state, loaded = staged.param_groups, staged.state, staged.swapped
         if staged.masters_from_params and warn_of_made_masters:
             warnings.warn(_PLAIN_CHECKPOINT.format(count=staged.masters_from_params), UserWarning, stacklevel=3)
+        if staged.low_precision_masters:
+            warnings.warn(_LOW_PRECISION_MASTERS.format(count=staged.low_precision_masters), UserWarning, stacklevel=3)
         if self._store.load_in_place(loaded, state):
             # The loaded layout is the live one (a resume): the mirrors took the values, nothing was allocated.
             store = self._store

@@ -29,6 +29,8 @@ class LoadedState:
     """Swapped states still to place: (slot, loaded value)."""
     masters_from_params: int = 0
     """bf16/fp16 parameters whose checkpoint had no master copy: theirs start as the live parameter."""
+    low_precision_masters: int = 0
+    """Masters the checkpoint held in a lower precision than fp32 (loaded as fp32, from their rounded values)."""
 
 
 def load_swapped_state(
@@ -62,7 +64,7 @@ def load_swapped_state(
     id_map = _saved_id_map(groups, saved_groups)
     staged = TrackedState()
     new: list[tuple[SwapSlot, StateSource]] = []
-    masters_from_params = 0
+    masters_from_params = low_precision_masters = 0
     for saved_id, saved_state in state_dict["state"].items():
         if saved_id not in id_map:
             raise StateDictMismatchError(
@@ -78,6 +80,7 @@ def load_swapped_state(
         loaded_group = {**group, **saved_group, "params": group["params"]}
         if masters and MASTER_KEY in saved_state:
             _check_master_shape(saved_id, param, saved_state[MASTER_KEY])
+            low_precision_masters += saved_state[MASTER_KEY].dtype != torch.float32
         if saved_state:
             problem = adapter.state_mismatch(updated, loaded_group, without_master(saved_state))
             if problem is not None:
@@ -97,7 +100,7 @@ def load_swapped_state(
             entry[MASTER_KEY] = _master_from_param(store, new, param)
             masters_from_params += 1
     new_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
-    return LoadedState(new_groups, staged, new, masters_from_params)
+    return LoadedState(new_groups, staged, new, masters_from_params, low_precision_masters)
 
 
 def saved_param_ids(
