@@ -176,7 +176,7 @@ def test_plan_command_models_achievable_figures_and_ranks_sharing_a_host(
     assert "pcie5-achievable" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["plan", "--model", "llama-1b", "--ranks-per-node", "0"])
-    assert "--ranks-per-node must be >= 1, got 0" in capsys.readouterr().err
+    assert "argument --ranks-per-node: must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_the_planner_models_the_foreach_kernels_torch_picks_on_cuda() -> None:
