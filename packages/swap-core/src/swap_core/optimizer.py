@@ -350,12 +350,18 @@ class SwapOptimizer(torch.optim.Optimizer):
                 plan = self._current_plan()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
                 self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
+                skip = self._batches_without_gradients(plan, with_grad)
                 # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
                 entries_before = set(map(id, self.state)) if self._reverse_creates_states(plan) else None
                 with self.adapter.step_scope():
                     if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
                         self._scheduler.run(
-                            plan, self._update_batch, stats, keep_staging=self.config.keep_staging, trace=trace
+                            plan,
+                            self._update_batch,
+                            stats,
+                            keep_staging=self.config.keep_staging,
+                            trace=trace,
+                            skip=skip,
                         )
                 if entries_before is not None:
                     self._tracked.move_to_end(
@@ -567,6 +573,22 @@ class SwapOptimizer(torch.optim.Optimizer):
             adopt(grad if type(grad) is torch.Tensor else local_tensor(grad))
         return len(present)
 
+    def _batches_without_gradients(self, plan: SwapPlan, with_grad: int) -> frozenset[int]:
+        """Batches no parameter of which has a gradient this step: nothing to update, so nothing to copy (torch's
+        step skips such parameters too). None when every parameter has one, or when every batch must run."""
+        if with_grad == plan.param_count or plan.walk_every_batch:
+            return frozenset()
+        grads = self._step_grads
+        return frozenset(
+            batch.index
+            for batch in plan.batches
+            if all(
+                grad is None
+                for _, _, _, where in batch.segments
+                for grad in (grads[where] if isinstance(where, slice) else [grads[i] for i in where])
+            )
+        )
+
     def _params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
         """``(group index, parameter)`` of the parameters that have a gradient this step (after ``_collect_grads``)."""
         ordered = self._ordered_params_with_groups()
@@ -637,6 +659,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 state=self.state,
                 resident_first=not rank_independent,
                 reverse=self.config.prefetch == "backward",
+                walk_every_batch=rank_independent,
             )
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)

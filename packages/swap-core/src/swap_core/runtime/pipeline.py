@@ -108,40 +108,63 @@ class PipelineScheduler:
         *,
         keep_staging: bool,
         trace: StepTrace | None = None,
+        skip: frozenset[int] = frozenset(),
     ) -> None:
-        """One step: every batch prefetched, updated and offloaded, in order (timed into ``trace`` if given)."""
+        """One step: every batch prefetched, updated and offloaded, in order (timed into ``trace`` if given).
+
+        ``skip``: indices of batches that have nothing to update (no parameter of theirs has a gradient): they
+        are not copied at all (a batch 0 that :meth:`prefetch` already copied in runs anyway).
+        """
         self.compute = self.backend.compute_stream()
         self._timeline = _Timeline(self.backend, self.compute) if trace is not None else None
         early = self._take_early(plan)
         self._settle()
+        batches = [
+            batch for batch in plan.batches if batch.index not in skip or (early is not None and batch.index == 0)
+        ]
+        if not batches:
+            if plan.resident is not None:
+                self._update_resident(plan.resident, update)
+            self._finish_trace(trace)
+            return
         packed = plan.arenas is not None
         if plan.arenas is not None:
             plan.arenas.acquire()
-        batches = plan.batches
-        prefetched: list[Event] = []
+        prefetched: dict[int, Event] = {}
         offloaded: list[Offloaded] = []
+        last_out_of: dict[int, Offloaded] = {}
+        """The last offload out of each arena (packed): a copy into that arena waits for it, half by half."""
+
+        def prefetch(position: int) -> None:
+            batch = batches[position]
+            if not packed and position >= 2:  # it takes the memory the batch two before used
+                self._reclaim(batches[position - 2], offloaded[position - 2].done)
+            reused = last_out_of.get(batch.arena_index) if packed else None
+            prefetched[position] = self._prefetch(batch, stats, packed=packed, reused=reused)
+
         # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
         resident_at = 1 if early is not None and len(batches) > 1 else 0
         with self._recover_on_error(plan):
             if early is not None:  # batch 0 was copied in by prefetch()
                 stats.h2d_copies += early.copies
                 stats.h2d_bytes += early.nbytes
-                prefetched.append(early.event)
+                prefetched[0] = early.event
             else:
-                prefetched.append(self._prefetch(batches[0], stats, packed=packed))
-            for index, batch in enumerate(batches):
-                if index + 1 < len(batches):
-                    reused: Offloaded | None = None
-                    if index >= 1:
-                        # Batch i + 1 takes the memory batch i - 1 used: its offload must be done with it.
-                        reused = offloaded[index - 1]
-                        if not packed:
-                            self._reclaim(batches[index - 1], reused.done)
-                    prefetched.append(self._prefetch(batches[index + 1], stats, packed=packed, reused=reused))
-                if index == resident_at and plan.resident is not None:
+                prefetch(0)
+            for position, batch in enumerate(batches):
+                following = position + 1 if position + 1 < len(batches) else None
+                # The next batch comes in while this one updates, unless it needs this one's arena (skipped batches
+                # between them): then it comes in once this one is copied out.
+                shares_arena = following is not None and packed and batches[following].arena_index == batch.arena_index
+                if following is not None and not shares_arena:
+                    prefetch(following)
+                if position == resident_at and plan.resident is not None:
                     self._update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
-                self._update(batch, prefetched[index], update)
+                self._update(batch, prefetched[position], update)
                 offloaded.append(self._offload(batch, stats))
+                last_out_of[batch.arena_index] = offloaded[-1]
+                if following is not None and shares_arena:
+                    prefetch(following)
             self._last_offload = offloaded[-1].done
             self._in_flight = plan
             # The last offloads still read their staging memory: it is freed stream-ordered behind them, so the
@@ -154,6 +177,9 @@ class PipelineScheduler:
                     for view in batch.device_views:
                         self.backend.release_storage(view, in_use_on=self.d2h)
         stats.batches = len(batches)
+        self._finish_trace(trace)
+
+    def _finish_trace(self, trace: StepTrace | None) -> None:
         if trace is not None and self._timeline is not None:
             trace.intervals.extend(self._timeline.intervals())
         self._timeline = None

@@ -78,6 +78,9 @@ class SwapPlan:
     """Whether every parameter had its state when the plan was bound (a step may then skip per-parameter checks)."""
     resident: PlannedBatch | None = None
     """Parameters without a swapped state, updated before batch 0 (while its copy-in runs); no slots, no copies."""
+    walk_every_batch: bool = False
+    """Every batch runs every step, with or without gradients (rank-independent batches: the ranks of a distributed
+    adapter meet in collectives batch by batch); else a batch without any gradient is skipped."""
 
     @property
     def peak_staging_bytes(self) -> int:
@@ -99,6 +102,7 @@ def build_plan(
     state: Mapping[torch.Tensor, dict[str, Any]],
     resident_first: bool = False,
     reverse: bool = False,
+    walk_every_batch: bool = False,
 ) -> SwapPlan:
     """Partition ``params`` into batches, lay out their staging views (packed mode) and bind them to ``state``.
 
@@ -109,7 +113,7 @@ def build_plan(
     batch instead (only when something is swapped). Not with an adapter's rank-independent costs: every rank
     must then walk the same batches, and residency is decided per rank. ``reverse``: the batches are walked
     from the last parameters to the first (the order in which a backward finalizes their gradients); the
-    split is the same.
+    split is the same. ``walk_every_batch``: see :attr:`SwapPlan.walk_every_batch`.
     """
     slots_of = [list(store.slots.get(param, {}).values()) for _, param in params]
     nbytes = [sum(slot.nbytes for slot in slots) for slots in slots_of]
@@ -154,6 +158,7 @@ def build_plan(
         param_count=len(params),
         all_states_exist=all_states_exist,
         resident=resident_batch,
+        walk_every_batch=walk_every_batch,
     )
 
 
