@@ -153,9 +153,22 @@ class _BatchDependentGroupWrite(_CountingSGD):
         return super().step(closure)
 
 
-def test_a_group_value_written_differently_per_batch_is_refused() -> None:
+def test_a_group_value_written_differently_per_batch_is_refused_at_wrap_time() -> None:
     params = _params()
-    swapped = swap_optimizer(_BatchDependentGroupWrite(params, lr=0.1), _config())
+    plain = _BatchDependentGroupWrite(params, lr=0.1)
+    with pytest.raises(UnsupportedOptimizerError, match=r"wrote param group 0's 'seen' differently \(2 against 1\)"):
+        swap_optimizer(plain, _config())
+    assert "seen" not in plain.param_groups[0] and not plain.state
+
+
+def test_a_group_value_written_differently_per_batch_is_still_refused_at_the_step_when_declared() -> None:
+    """Declared per-parameter, the probe's verdict is overruled; the per-batch check still refuses the step."""
+    params = _params()
+
+    class Declared(_BatchDependentGroupWrite):
+        swap_per_parameter = True
+
+    swapped = swap_optimizer(Declared(params, lr=0.1), _config())
     _set_grads(params, 0)
     with pytest.raises(UnsupportedOptimizerError, match=r"param group 0's 'seen' as \d+ for the first batch"):
         swapped.step()
@@ -262,12 +275,12 @@ class _ListStateSGD(_CountingSGD):
         return None
 
 
-def test_a_state_held_in_a_python_object_is_refused() -> None:
+def test_a_state_held_in_a_python_object_is_refused_at_wrap_time() -> None:
     params = _params()
-    swapped = swap_optimizer(_ListStateSGD(params, lr=0.1), _config())
-    _set_grads(params, 0)
+    plain = _ListStateSGD(params, lr=0.1)
     with pytest.raises(UnsupportedOptimizerError, match=r"keeps state 'history' as a list"):
-        swapped.step()
+        swap_optimizer(plain, _config())
+    assert not plain.state, "the probe stepped stand-ins only"
 
 
 # -- states -------------------------------------------------------------------------
@@ -343,12 +356,18 @@ def test_an_optimizer_that_couples_parameters_is_refused_at_wrap_time() -> None:
 
 def test_sparse_gradients_are_refused_clearly() -> None:
     embedding = torch.nn.Embedding(4096, 16, sparse=True)
-    swapped = swap_optimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.01), _config())
+    swapped = swap_optimizer(torch.optim.Adagrad(embedding.parameters(), lr=0.01), _config())
     embedding(torch.tensor([1, 5, 9])).sum().backward()
     before = embedding.weight.detach().clone()
     with pytest.raises(RuntimeError, match=r"has a sparse gradient; swapping supports dense gradients only"):
         swapped.step()
     assert torch.equal(before, embedding.weight.detach())
+
+
+def test_an_optimizer_of_sparse_gradients_only_is_refused_at_wrap_time() -> None:
+    embedding = torch.nn.Embedding(4096, 16, sparse=True)
+    with pytest.raises(UnsupportedOptimizerError, match=r"SparseAdam does not support dense gradients"):
+        swap_optimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.01), _config())
 
 
 def test_plain_sgd_keeps_no_state_as_torch() -> None:

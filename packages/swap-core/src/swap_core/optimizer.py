@@ -1055,16 +1055,21 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.backend.adopt(local_tensor(param))
 
     def _swap_keys(self) -> tuple[str, ...] | None:
+        """The state keys to swap (``None``: any), the requested ones checked against those the optimizer creates:
+        a typo (``"momentum"`` for ``"momentum_buffer"``) would otherwise swap nothing, silently."""
         declared = self.adapter.swappable_keys
-        if declared is not None and self.config.master_weights:
-            declared = (*declared, MASTER_KEY)
+        # A family that swaps any key may still know the ones its optimizer creates (swap-generic's probe).
+        known = tuple(sorted(self.adapter.created_keys)) if declared is None and self.adapter.created_keys else declared
+        if known is not None and self.config.master_weights:
+            known = (*known, MASTER_KEY)
         requested = self.config.state_keys
-        if requested is None or declared is None:  # declared None: the family swaps any key
-            return requested if requested is not None else declared
-        unknown = [key for key in requested if key not in declared]
+        if requested is None:
+            return None if declared is None else known
+        unknown = [key for key in requested if known is not None and key not in known]
         if unknown:
+            valid = list(known or ())
             raise ValueError(
-                f"Unknown state_keys {unknown} for {type(self.optimizer).__name__}; swappable keys are {list(declared)}"
+                f"Unknown state_keys {unknown} for {type(self.optimizer).__name__}; swappable keys are {valid}"
             )
         return requested
 

@@ -29,11 +29,15 @@ from swap_core.torch_compat import step_hooks_silenced
 
 from .group_values import GroupValues
 from .narrowed_groups import NarrowedGroups
-from .probe import coupling_of
+from .probe import probe_step
 from .third_party import outside_step_methods, third_party_refusal
 from .torch_compat import unhooked_step
 
-__all__ = ["NOT_PER_PARAMETER", "GenericAdapter", "register"]
+__all__ = ["DECLARATION", "NOT_PER_PARAMETER", "GenericAdapter", "register"]
+
+DECLARATION = "swap_per_parameter"
+"""An optimizer class (or instance) attribute that settles what the wrap-time probe would decide: ``True``, its step
+is per-parameter (accepted even where the probe cannot tell, or tells otherwise); ``False``, it is not (refused)."""
 
 NOT_PER_PARAMETER: Mapping[str, str] = {
     "torch.optim.lbfgs.LBFGS": (
@@ -68,13 +72,7 @@ class GenericAdapter(StateSwapAdapter):
         refusal = third_party_refusal(optimizer)
         if refusal is not None:
             raise UnsupportedOptimizerError(f"{type(optimizer).__name__} cannot be swapped: {refusal}")
-        coupling = coupling_of(optimizer)
-        if coupling is not None:
-            raise UnsupportedOptimizerError(
-                f"{type(optimizer).__name__}'s step is not per-parameter: {coupling}. swap-generic runs the step "
-                "batch by batch, which would update such an optimizer wrongly; it needs a dedicated adapter "
-                "(swap_core.register_adapter)"
-            )
+        self.created_keys = _probed_state_keys(optimizer)
         # Schedule-free's train()/eval() move the parameters between its sequences: run through the SwapOptimizer.
         self.outside_step_methods = outside_step_methods(optimizer)
         self._step = unhooked_step(optimizer)
@@ -201,6 +199,37 @@ class GenericAdapter(StateSwapAdapter):
         narrowed.run(self._step, target, params)
         self._stepped = True
         values.after_batch(batch_index)
+
+
+def _probed_state_keys(optimizer: torch.optim.Optimizer) -> frozenset[str] | None:
+    """Refuse, before anything changes, an optimizer whose step the probe finds (or the class declares) not
+    per-parameter, or whose states it keeps in Python objects; else the state keys the probe saw it create (``None``
+    where it was not probed: a declared optimizer)."""
+    name = type(optimizer).__name__
+    declared = getattr(optimizer, DECLARATION, None)
+    if declared is False:
+        raise UnsupportedOptimizerError(
+            f"{name} declares its step not per-parameter ({DECLARATION} = False): swap-generic runs the step batch "
+            "by batch, which would update it wrongly; it needs a dedicated adapter (swap_core.register_adapter)"
+        )
+    verdict = probe_step(optimizer)
+    if verdict.container is not None:
+        raise UnsupportedOptimizerError(f"{name} cannot be swapped: {verdict.container}. Write a dedicated adapter")
+    if declared is True:
+        return verdict.state_keys or None
+    if verdict.coupled is not None:
+        raise UnsupportedOptimizerError(
+            f"{name}'s step is not per-parameter: {verdict.coupled}. swap-generic runs the step batch by batch, "
+            "which would update such an optimizer wrongly; it needs a dedicated adapter (swap_core.register_adapter), "
+            f"or, if the probe is wrong, the declaration {name}.{DECLARATION} = True"
+        )
+    if verdict.unknown is not None:
+        raise UnsupportedOptimizerError(
+            f"swap-generic could not check that {name}'s step is per-parameter: {verdict.unknown}. It runs the step "
+            f"batch by batch, which is right only for such a step: if it is one, declare it ({name}.{DECLARATION} = "
+            "True, on the class or the instance); if not, it needs a dedicated adapter (swap_core.register_adapter)"
+        )
+    return verdict.state_keys
 
 
 def _is_plain_or_dtensor(tensor: torch.Tensor) -> bool:

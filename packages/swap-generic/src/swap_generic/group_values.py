@@ -19,7 +19,7 @@ from swap_core.errors import UnsupportedOptimizerError
 
 from .torch_compat import tensor_version
 
-__all__ = ["GroupValues"]
+__all__ = ["GroupValues", "same_value"]
 
 _ABSENT = object()
 """A key the step deleted (or, in a snapshot, one the group did not have)."""
@@ -84,7 +84,7 @@ class GroupValues:
         expected = self._written or [{} for _ in self._groups]
         for index, (wrote, first) in enumerate(zip(writes, expected, strict=True)):
             for key in sorted(set(wrote) | set(first), key=str):
-                if not _same(wrote.get(key, _ABSENT), first.get(key, _ABSENT)):
+                if not same_value(wrote.get(key, _ABSENT), first.get(key, _ABSENT)):
                     raise UnsupportedOptimizerError(
                         f"{type(self._optimizer).__name__}.step wrote param group {index}'s {key!r} as "
                         f"{_show(first.get(key, _ABSENT))} for the first batch and as {_show(wrote.get(key, _ABSENT))} "
@@ -114,7 +114,7 @@ class GroupValues:
             if value is original:
                 if key in tensors and tensor_version(value) != tensors[key][1]:
                     writes[key] = value  # written in place
-            elif not _same(value, original):
+            elif not same_value(value, original):
                 writes[key] = value
         for key in start:
             if key not in group:
@@ -126,7 +126,7 @@ def _values(group: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def _same(first: object, second: object) -> bool:
+def same_value(first: object, second: object) -> bool:
     """Equal values (NaN equal to NaN; tensors equal in shape, dtype and every element)."""
     if first is second:
         return True
@@ -140,7 +140,7 @@ def _same(first: object, second: object) -> bool:
         return False
     if isinstance(first, (tuple, list)):
         assert isinstance(second, (tuple, list))
-        return len(first) == len(second) and all(map(_same, first, second))
+        return len(first) == len(second) and all(map(same_value, first, second))
     try:
         return bool(first == second)
     except Exception:  # a value whose == is not a truth value (an array): unequal unless identical

@@ -1,90 +1,351 @@
 """A wrap-time check that an optimizer's step is per-parameter, on tiny stand-in parameters.
 
-swap-generic runs the optimizer's step batch by batch, which is exact only if each parameter's update
-reads its own gradient and state alone. An optimizer that couples parameters (a norm over the whole
-group, a shared statistic) would be silently wrong batch by batch. :func:`coupling_of` steps a twin of
-the optimizer (the same class and attributes, other param groups and state) over two small parameters
-per group, once together and once one at a time, and compares the results bitwise.
+swap-generic runs the optimizer's step batch by batch, which is exact only if each parameter's update reads its
+own gradient and state alone. An optimizer that couples parameters would be silently wrong batch by batch, or would
+fail part-way through a step, after earlier batches were updated. :func:`probe_step` steps twins of the optimizer
+(the same class and attributes, param groups of their own over two small stand-ins per group, states of their own)
+once together and once one stand-in at a time, as the real step runs its batches, and compares everything the two
+leave behind bitwise. It does so for inputs that make a whole-step decision visible:
+
+- ordinary gradients (a coupling of the update itself: a shared norm, a group-wide statistic);
+- large gradients (clipping by a global norm inside the step, which small gradients never trip);
+- a non-finite gradient in one stand-in (a step that skips itself when any gradient is not finite).
+
+And it looks at what the step leaves: a state held in a Python object (a list, a dict, a projector), entries of
+``optimizer.state`` that belong to no parameter (a step counter), param group values written per call, edits of the
+param groups. Each twin steps under a forked RNG seeded alike, so an optimizer that draws its initial states at random
+is compared with itself, and the caller's RNG is left as it was.
+
+What it cannot see: a coupling that only shows on inputs it does not try, or only after more than
+:data:`PROBE_STEPS` steps; a step that needs the closure or runs autograd on the stand-ins; parameters paired by
+their position in a group. When it cannot step the twins at all, it cannot tell: :attr:`ProbeVerdict.unknown`
+says why, and the adapter refuses unless the optimizer declares itself (``swap_per_parameter``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import inspect
+import warnings
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
-from .group_values import GroupValues
+from .group_values import GroupValues, same_value
+from .narrowed_groups import NarrowedGroups
 from .torch_compat import unhooked_step
 
-__all__ = ["PROBE_STEPS", "coupling_of"]
+__all__ = ["PROBE_STEPS", "ProbeVerdict", "probe_step"]
 
 PROBE_STEPS = 3
-"""Steps each stand-in takes (momentum-like couplings need more than one)."""
+"""Steps each pair of stand-ins takes (momentum-like couplings need more than one)."""
 
+_SEED = 1234
 _SIZES = (4, 3, 2, 2, 2)
 _OTHER_SIZES = (3, 5, 2, 2, 2)
+_LARGE = 1e4
+"""The large gradients' scale: a global norm of the stand-ins' gradients far above any clipping threshold."""
+
+_PLAIN_VALUES = (int, float, bool, complex, str, type(None))
 
 
-def coupling_of(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why ``optimizer``'s step is not per-parameter, or ``None`` (per-parameter, or the probe cannot tell).
+@dataclasses.dataclass(frozen=True)
+class ProbeVerdict:
+    """What stepping the stand-ins told."""
 
-    Nothing of ``optimizer`` changes: the twin has its own param groups (copies of the group dicts over
-    stand-ins) and its own state. A probe that raises tells nothing (the optimizer may need a state its
-    constructor made, as Adagrad's): ``None``.
-    """
+    coupled: str | None = None
+    """Why the step is not per-parameter (refused), or ``None``."""
+    container: str | None = None
+    """A state the step keeps in a Python object (refused whatever the optimizer declares), or ``None``."""
+    unknown: str | None = None
+    """Why the twins could not be stepped, so that nothing could be told, or ``None``."""
+    state_keys: frozenset[str] = frozenset()
+    """The keys of the stand-ins' states: what the optimizer creates for a parameter (when the twins stepped)."""
+
+
+GradientOf = Callable[[int, int, tuple[int, ...], torch.Generator], torch.Tensor]
+"""``(step, stand-in, shape, generator) -> gradient`` of one input of the probe."""
+
+
+def _ordinary(step: int, position: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator)
+
+
+def _large(step: int, position: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator) * _LARGE
+
+
+def _one_not_finite(step: int, position: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    grad = torch.randn(shape, generator=generator)
+    if step == 1 and position == 0:
+        grad.view(-1)[0] = float("inf")
+    return grad
+
+
+INPUTS: dict[str, GradientOf] = {
+    "ordinary gradients": _ordinary,
+    "large gradients": _large,
+    "a non-finite gradient in one parameter": _one_not_finite,
+}
+"""The inputs the probe steps the stand-ins with, by what they are."""
+
+
+def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
+    """Step twins of ``optimizer`` together and apart over stand-ins of each param group; nothing of ``optimizer``
+    (nor the global RNG) changes."""
+    keys: set[str] = set()
     for index, group in enumerate(optimizer.param_groups):
-        if not group["params"]:
-            continue
-        like = group["params"][0]  # a DTensor too: its device and dimensions are what the stand-ins need
-        if not like.is_floating_point():
-            continue
-        try:
-            together = _stepped(optimizer, index, like, apart=False)
-            apart = _stepped(optimizer, index, like, apart=True)
-        except Exception:  # the twin could not step: nothing can be told
-            return None
-        for position, (first, second) in enumerate(zip(together, apart, strict=True)):
-            if not torch.equal(first.view(torch.uint8), second.view(torch.uint8)):
-                return (
-                    f"stepping two stand-in parameters of param group {index} together and one at a time gave "
-                    f"different values (stand-in {position} after {PROBE_STEPS} steps)"
-                )
-    return None
+        for like in _distinct_layouts(group["params"]):
+            for name, gradient_of in INPUTS.items():
+                outcome = _compare(optimizer, index, like, gradient_of)
+                if isinstance(outcome, _Unknown):
+                    return ProbeVerdict(unknown=outcome.reason)
+                if isinstance(outcome, _Container):
+                    return ProbeVerdict(container=outcome.reason)
+                if isinstance(outcome, str):
+                    return ProbeVerdict(coupled=f"{outcome} (param group {index}, {name})")
+                keys |= outcome
+    return ProbeVerdict(state_keys=frozenset(keys))
 
 
-def _stepped(optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, *, apart: bool) -> list[torch.Tensor]:
-    """The two stand-ins of group ``index`` after :data:`PROBE_STEPS` steps of a twin of ``optimizer``."""
-    generator = torch.Generator().manual_seed(1234)
+@dataclasses.dataclass(frozen=True)
+class _Unknown:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Container:
+    reason: str
+
+
+def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One floating parameter per number of dimensions (states may differ by it: Adafactor's factored moments)."""
+    seen: dict[int, torch.Tensor] = {}
+    for param in params:
+        if param.is_floating_point() and param.dim() not in seen:
+            seen[param.dim()] = param
+    return list(seen.values())
+
+
+def _compare(
+    optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, gradient_of: GradientOf
+) -> _Unknown | _Container | str | set[str]:
+    """Stepped together and apart: their difference (``str``), that they could not be stepped, a state held in a
+    Python object, or (all alike) the state keys.
+
+    The twins copy the optimizer's attributes; where such a twin cannot step (a constructor that makes states:
+    Adagrad's ``sum``), twins built by the optimizer's own constructor are tried.
+    """
+    failed: _Unknown | None = None
+    for constructed in (False, True):
+        together = _stepped(optimizer, index, like, gradient_of, apart=False, constructed=constructed)
+        if isinstance(together, _Unknown):
+            failed = failed or together  # the copied twin's failure says more than the constructor's
+            continue
+        apart = _stepped(optimizer, index, like, gradient_of, apart=True, constructed=constructed)
+        if isinstance(apart, _Unknown):
+            return f"stepping the stand-ins one at a time failed where stepping them together did not ({apart.reason})"
+        difference = together.difference(apart)
+        if difference is not None:
+            return f"stepping two stand-in parameters together and one at a time {difference}"
+        container = together.container_state()
+        if container is not None:
+            return _Container(container)
+        return together.state_keys()
+    assert failed is not None
+    return failed
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """What a twin holds after its probe steps."""
+
+    params: list[torch.Tensor]
+    states: list[dict[str, Any]]
+    others: dict[str, Any]
+    """Entries of ``state`` that belong to no stand-in (by ``repr`` of their keys)."""
+    groups: list[dict[str, Any]]
+    failure: str | None
+    """The type and message of an exception a step raised (both runs must fail alike)."""
+
+    def difference(self, other: _Outcome) -> str | None:
+        if self.failure != other.failure:
+            return f"failed differently ({self.failure or 'no error'} against {other.failure or 'no error'})"
+        for position, (param, other_param) in enumerate(zip(self.params, other.params, strict=True)):
+            if not _same_bits(param, other_param):
+                return f"gave different values (stand-in {position} after {PROBE_STEPS} steps)"
+        return self._state_difference(other) or self._group_difference(other)
+
+    def _state_difference(self, other: _Outcome) -> str | None:
+        for position, (state, other_state) in enumerate(zip(self.states, other.states, strict=True)):
+            if set(state) != set(other_state):
+                return f"gave stand-in {position} other state keys ({sorted(state)} against {sorted(other_state)})"
+            for key, value in state.items():
+                if not _same_state(value, other_state[key]):
+                    return f"gave stand-in {position} another state {key!r}"
+        if set(self.others) != set(other.others) or not all(
+            _same_state(value, other.others[key]) for key, value in self.others.items()
+        ):
+            return f"left other entries of optimizer.state that belong to no parameter ({sorted(self.others)})"
+        return None
+
+    def _group_difference(self, other: _Outcome) -> str | None:
+        for index, (group, other_group) in enumerate(zip(self.groups, other.groups, strict=True)):
+            for key in sorted(set(group) | set(other_group), key=str):
+                if not same_value(group.get(key), other_group.get(key)):
+                    written = f"{group.get(key)!r} against {other_group.get(key)!r}"
+                    return f"wrote param group {index}'s {key!r} differently ({written})"
+        return None
+
+    def container_state(self) -> str | None:
+        for state in self.states:
+            for key, value in state.items():
+                if not isinstance(value, (torch.Tensor, *_PLAIN_VALUES)):
+                    return (
+                        f"it keeps state {key!r} as a {type(value).__name__}: swap-generic moves tensor states and "
+                        "keeps numbers, but cannot tell where the tensors inside other objects live"
+                    )
+        return None
+
+    def state_keys(self) -> set[str]:
+        return {key for state in self.states for key in state}
+
+
+def _stepped(
+    optimizer: torch.optim.Optimizer,
+    index: int,
+    like: torch.Tensor,
+    gradient_of: GradientOf,
+    *,
+    apart: bool,
+    constructed: bool,
+) -> _Outcome | _Unknown:
+    """A twin of ``optimizer`` over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps."""
+    generator = torch.Generator().manual_seed(_SEED)
     shapes = [tuple(sizes[: like.dim()]) for sizes in (_SIZES, _OTHER_SIZES)]
     # Meta tensors hold no values to compare (swap-bench's planner steps them): the stand-ins live on the CPU.
     device = torch.device("cpu") if like.is_meta else like.device
-    standins = [
+    standins: list[torch.Tensor] = [
         torch.nn.Parameter(torch.randn(shape, generator=generator).to(device=device, dtype=torch.float32))
         for shape in shapes
     ]
-    twin = object.__new__(type(optimizer))
-    twin.__dict__.update(optimizer.__dict__)
-    twin.param_groups = [
+    failure: str | None = None
+    with _seeded_rng(device):
+        twin = _twin(optimizer, index, standins, constructed=constructed)
+        if twin is None:
+            return _Unknown(f"{type(optimizer).__name__}'s constructor could not rebuild it over stand-in parameters")
+        step = unhooked_step(twin)
+        try:
+            with step_hooks_silenced(twin), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for step_index in range(PROBE_STEPS):
+                    for position, standin in enumerate(standins):
+                        standin.grad = gradient_of(step_index, position, tuple(standin.shape), generator).to(device)
+                    if apart:
+                        _step_one_at_a_time(twin, step, index, standins)
+                    else:
+                        step()
+        except UnsupportedOptimizerError as refusal:  # the batch-by-batch runner's own refusal: not per-parameter
+            return _Outcome([], [], {}, [], f"{type(refusal).__name__}: {refusal}")
+        except Exception as error:
+            if not apart and step_index == 0:
+                return _Unknown(f"its step failed on stand-in parameters: {type(error).__name__}: {error}")
+            failure = f"{type(error).__name__}: {error}"
+    return _Outcome(
+        params=[standin.detach() for standin in standins],
+        states=[dict(twin.state.get(standin, {})) for standin in standins],
+        others={repr(key): value for key, value in twin.state.items() if not any(key is s for s in standins)},
+        groups=[{key: value for key, value in group.items() if key != "params"} for group in twin.param_groups],
+        failure=failure,
+    )
+
+
+def _step_one_at_a_time(
+    twin: torch.optim.Optimizer, step: Callable[[], Any], index: int, standins: list[torch.Tensor]
+) -> None:
+    """One probe step as swap-generic runs a step: each stand-in a batch of its own, group values kept per batch."""
+    values = GroupValues(twin)
+    narrowed = NarrowedGroups(twin)
+    target = twin.param_groups[index]
+    for batch, standin in enumerate(standins):
+        values.before_batch()
+        narrowed.run(step, target, [standin])
+        values.after_batch(batch)
+
+
+def _twin(
+    optimizer: torch.optim.Optimizer, index: int, standins: list[torch.Tensor], *, constructed: bool
+) -> torch.optim.Optimizer | None:
+    """A twin over ``standins`` in group ``index`` (every other group empty): the optimizer's attributes with groups
+    and a state of its own; or (``constructed``) one built by the optimizer's constructor from its defaults, for a
+    class whose constructor makes states (Adagrad's ``sum``). ``None`` when that cannot be built."""
+    groups = [
         {**group, "params": list(standins) if position == index else []}
         for position, group in enumerate(optimizer.param_groups)
     ]
+    if constructed:
+        return _constructed(optimizer, groups)
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(optimizer.__dict__)
+    twin.param_groups = groups
     twin.state = defaultdict(dict)
-    step = unhooked_step(twin)
-    with step_hooks_silenced(twin), torch.no_grad():
-        for _ in range(PROBE_STEPS):
-            for standin in standins:
-                standin.grad = torch.randn(standin.shape, generator=generator).to(device)
-            if not apart:
-                step()
-                continue
-            values = GroupValues(twin)
-            target = twin.param_groups[index]
-            for standin in standins:
-                values.before_batch()
-                target["params"] = [standin]
-                step()
-                values.after_batch(0)
-            target["params"] = list(standins)
-    return [standin.detach() for standin in standins]
+    return twin
+
+
+def _constructed(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer | None:
+    """``type(optimizer)(groups, **its defaults that the constructor takes)``, or ``None`` where that fails."""
+    cls = type(optimizer)
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    kwargs: dict[str, Any] = {}
+    for name, parameter in list(parameters.items())[2:]:  # self, params
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if name in optimizer.defaults:
+            kwargs[name] = optimizer.defaults[name]
+        elif parameter.default is parameter.empty:
+            return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cls([dict(group) for group in groups], **kwargs)
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def _seeded_rng(device: torch.device) -> Iterator[None]:
+    """The global RNG (and ``device``'s) forked and seeded alike for each twin; the caller's state comes back."""
+    accelerator = device.type not in ("cpu", "meta")
+    devices = [torch.device(device).index or 0] if accelerator else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else "cuda"):
+        torch.manual_seed(_SEED)
+        yield
+
+
+def _same_bits(first: torch.Tensor, second: torch.Tensor) -> bool:
+    if first.shape != second.shape or first.dtype != second.dtype:
+        return False
+    return bool(torch.equal(first.reshape(-1).view(torch.uint8), second.reshape(-1).view(torch.uint8)))
+
+
+def _same_state(first: object, second: object) -> bool:
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        if first.device.type == "meta" or type(first) not in (torch.Tensor, torch.nn.Parameter):
+            return first.shape == second.shape and first.dtype == second.dtype
+        return _same_bits(first.detach(), second.detach())
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        return False
+    if isinstance(first, (list, tuple)) and isinstance(second, (list, tuple)):
+        return len(first) == len(second) and all(map(_same_state, first, second))
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(_same_state(first[k], second[k]) for k in first)
+    return same_value(first, second)

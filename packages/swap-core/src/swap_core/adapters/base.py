@@ -80,6 +80,10 @@ class StateSwapAdapter(abc.ABC):
     """State keys this family can swap (e.g. ``("exp_avg", "exp_avg_sq")``); ``None``: any key whose value
     is a large enough dense tensor on the device (an adapter that runs an optimizer it does not know)."""
 
+    created_keys: frozenset[str] | None = None
+    """With :attr:`swappable_keys` ``None``: the state keys the adapter saw its optimizer create (a probe at wrap
+    time), against which ``SwapConfig(state_keys=...)`` is checked; ``None``: not known (nothing is checked)."""
+
     lazy_states: ClassVar[bool] = False
     """Whether :meth:`update` creates missing states itself, on the device, as torch's own ``step`` does.
 

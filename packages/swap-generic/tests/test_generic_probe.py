@@ -1,0 +1,238 @@
+"""The wrap-time probe: what it refuses, before anything changes, and what it accepts.
+
+Each optimizer below is a small one written for these tests, standing for a class of real ones (not a copy of any).
+A refusal must leave the optimizer exactly as it was (parameters, states, param group values) and the global RNG
+too; an acceptance must step bitwise as the plain optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.errors import UnsupportedOptimizerError
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal
+from swap_generic import GenericAdapter
+
+SHAPES = ((24, 40), (40,), (16, 20), (8, 8))
+
+
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+
+
+def _config(**options: Any) -> SwapConfig:
+    return SwapConfig(backend=SimBackend(mode="lazy"), **{"swap_times": 2, "min_numel": 16, **options})
+
+
+class _PlainSGD(torch.optim.Optimizer):
+    """Per-parameter SGD with momentum: the base of the doubles below."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def _update(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
+        state = self.state[param]
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(param)
+        state["momentum"].mul_(0.9).add_(grad)
+        param.add_(state["momentum"], alpha=-group["lr"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(group, param, param.grad)
+        return None
+
+
+class ClippingInsideStep(_PlainSGD):
+    """Clips the group's gradients by their global norm inside its step (gradient clipping built in)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], max_norm=10.0)
+        return super().step(closure)
+
+
+class SkipsOnNonFinite(_PlainSGD):
+    """Changes nothing when any gradient is not finite (as a loss-scaling optimizer does)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        grads = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if not all(bool(torch.isfinite(grad).all()) for grad in grads):
+            return None
+        return super().step(closure)
+
+
+class GroupStatistic(_PlainSGD):
+    """Writes a group-wide statistic into its group each step and scales by it (D-Adaptation-like step sizes)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            norms = [param.grad.norm() for param in group["params"] if param.grad is not None]
+            group["grad_norm"] = float(torch.stack(norms).norm()) if norms else 0.0
+        return super().step(closure)
+
+
+class AddsAGroup(_PlainSGD):
+    """Adds a param group inside its step."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        super().step(closure)
+        if len(self.param_groups) < 3:
+            self.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        return None
+
+
+class ListState(_PlainSGD):
+    """Keeps a list of tensors in each parameter's state (a history)."""
+
+    def _update(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
+        super()._update(group, param, grad)
+        self.state[param].setdefault("history", []).append(grad.clone())
+
+
+class GlobalCounter(_PlainSGD):
+    """Counts steps in an entry of ``optimizer.state`` that belongs to no parameter, and uses it."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.state["total_step"] = self.state.get("total_step", 0) + 1
+        for group in self.param_groups:
+            group_lr = group["lr"] / self.state["total_step"]
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group_lr)
+        return None
+
+
+class CountsOnly(_PlainSGD):
+    """Counts steps in an entry of ``optimizer.state`` that belongs to no parameter (read by nobody yet)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.state["total_step"] = self.state.get("total_step", 0) + 1
+        return super().step(closure)
+
+
+class PairedByPosition(_PlainSGD):
+    """Updates parameters in pairs by their position in a group (A and B of a low-rank adapter together)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            params = [param for param in group["params"] if param.grad is not None]
+            for first, second in zip(params[0::2], params[1::2], strict=False):
+                scale = first.grad.norm() + second.grad.norm()
+                first.add_(first.grad / scale, alpha=-group["lr"])
+                second.add_(second.grad / scale, alpha=-group["lr"])
+        return None
+
+
+class NeedsTheClosure(_PlainSGD):
+    """Needs the closure (a step size from the loss, as AliG- or SAM-style optimizers do)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if closure is None:
+            raise RuntimeError("NeedsTheClosure requires closure, but it was not passed")
+        return super().step(closure)
+
+
+class RandomInitialState(_PlainSGD):
+    """Draws each parameter's initial state from the global RNG (per-parameter all the same)."""
+
+    def _update(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
+        state = self.state[param]
+        if "momentum" not in state:
+            state["momentum"] = torch.randn_like(param) * 1e-3
+        super()._update(group, param, grad)
+
+
+REFUSED = {
+    "clipping inside the step": (ClippingInsideStep, r"large gradients"),
+    "skipping on a non-finite gradient": (SkipsOnNonFinite, r"a non-finite gradient in one parameter"),
+    "a group-wide statistic in the group": (GroupStatistic, r"wrote param group 0's 'grad_norm' as"),
+    "a param group added by the step": (AddsAGroup, r"failed differently .*changed param_groups"),
+    "a list in the state": (ListState, r"keeps state 'history' as a list"),
+    "a counter outside the parameters' entries": (GlobalCounter, r"gave different values"),
+    "a counter outside the parameters' entries, unused": (CountsOnly, r"entries of optimizer.state that belong to no"),
+    "parameters paired by position": (PairedByPosition, r"gave different values"),
+    "a step that needs the closure": (NeedsTheClosure, r"could not check .* requires closure.*swap_per_parameter"),
+}
+
+
+def _snapshot(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> tuple[Any, ...]:
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return [param.detach().clone() for param in params], dict(optimizer.state), groups, torch.random.get_rng_state()
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_step_that_is_not_per_parameter_is_refused_before_anything_changes(name: str) -> None:
+    cls, words = REFUSED[name]
+    params = _params()
+    for param in params:
+        param.grad = torch.randn_like(param)
+    plain = cls(params)
+    before = _snapshot(plain, params)
+    with pytest.raises(UnsupportedOptimizerError, match=words):
+        swap_optimizer(plain, _config())
+    values, state, groups, rng = _snapshot(plain, params)
+    for index, (expected, actual) in enumerate(zip(before[0], values, strict=True)):
+        assert_bitwise_equal(expected, actual, f"{name}: parameter {index}")
+    assert state == before[1] == {} and groups == before[2], f"{name}: the optimizer changed"
+    assert torch.equal(rng, before[3]), f"{name}: the probe moved the global RNG"
+
+
+def test_an_optimizer_drawing_its_states_at_random_is_per_parameter_and_leaves_the_rng_alone() -> None:
+    params, reference_params = _params(), _params()
+    torch.manual_seed(7)
+    swapped = swap_optimizer(RandomInitialState(params), _config())
+    reference = RandomInitialState(reference_params)
+    torch.manual_seed(7)  # the wrap consumed nothing: both draw the same states
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        for param, reference_param in zip(params, reference_params, strict=True):
+            grad = torch.randn(param.shape, generator=generator)
+            param.grad, reference_param.grad = grad.clone(), grad.clone()
+        state = torch.random.get_rng_state()
+        reference.step()
+        torch.random.set_rng_state(state)
+        swapped.step()
+    for index, (expected, actual) in enumerate(zip(reference_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+
+
+def test_a_declaration_settles_what_the_probe_cannot_tell_or_would_refuse() -> None:
+    class DeclaredPerParameter(NeedsTheClosure):
+        swap_per_parameter = True
+
+    swapped = swap_optimizer(DeclaredPerParameter(_params()), _config())
+    assert isinstance(swapped.adapter, GenericAdapter)
+
+    class DeclaredCoupled(_PlainSGD):
+        swap_per_parameter = False
+
+    with pytest.raises(UnsupportedOptimizerError, match=r"declares its step not per-parameter"):
+        swap_optimizer(DeclaredCoupled(_params()), _config())
+
+
+def test_a_state_key_the_optimizer_never_creates_is_refused_naming_the_ones_it_does() -> None:
+    plain = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    with pytest.raises(
+        ValueError, match=r"Unknown state_keys \['momentum'\] for SGD; swappable keys are \['momentum_buffer'\]"
+    ):
+        swap_optimizer(plain, _config(state_keys=("momentum",)))
+    swapped = swap_optimizer(plain, _config(state_keys=("momentum_buffer",)))
+    assert swapped.config.state_keys == ("momentum_buffer",)
