@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, swap_optimizer
-from swap_core.errors import UnsupportedOptimizerError
+from swap_core.errors import HostMemoryError, UnsupportedOptimizerError
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_generic import GenericAdapter
@@ -236,3 +236,36 @@ def test_a_state_key_the_optimizer_never_creates_is_refused_naming_the_ones_it_d
         swap_optimizer(plain, _config(state_keys=("momentum",)))
     swapped = swap_optimizer(plain, _config(state_keys=("momentum_buffer",)))
     assert swapped.config.state_keys == ("momentum_buffer",)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_a_first_step_whose_states_the_host_cannot_take_is_refused_before_any_batch(packed: bool) -> None:
+    """The first step creates SGD's momentum buffers; the probe knows they are shaped like their parameters, so
+    the host's room is checked before the first batch updates anything (the step used to fail at its last batch,
+    every parameter updated, and a retry stepped them twice)."""
+    params = [torch.nn.Parameter(torch.randn(256, 256, generator=torch.Generator().manual_seed(i))) for i in range(4)]
+    twin = [param.detach().clone() for param in params]
+    sim = SimBackend(mode="lazy", host_bytes=3 * 256 * 256 * 4)
+    swapped = swap_optimizer(
+        torch.optim.SGD(params, lr=0.1, momentum=0.9), SwapConfig(backend=sim, swap_times=4, packed=packed)
+    )
+    for param in params:
+        param.grad = torch.ones_like(param)
+    with pytest.raises(HostMemoryError, match=r"Nothing was allocated"):
+        swapped.step()
+    for index, (expected, actual) in enumerate(zip(twin, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the refused step")
+    assert not any(swapped.state.get(param) for param in params), "no state was created"
+    assert sim.host_pinned_bytes() == 0
+
+
+def test_states_of_another_size_are_not_counted_against_the_host() -> None:
+    """A factored moment (Adafactor's row and column statistics) has no size the probe can tell from stand-ins: the
+    check counts only states shaped like their parameter, so it never refuses what would fit."""
+    params = [torch.nn.Parameter(torch.randn(256, 256)) for _ in range(2)]
+    sim = SimBackend(mode="lazy", host_bytes=64 * 1024)  # room for the factored statistics, not for full moments
+    swapped = swap_optimizer(torch.optim.Adafactor(params, lr=0.01), SwapConfig(backend=sim, min_numel=16))
+    for param in params:
+        param.grad = torch.ones_like(param)
+    swapped.step()
+    assert set(swapped.state[params[0]]) == {"step", "row_var", "col_var"}

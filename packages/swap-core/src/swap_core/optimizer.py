@@ -348,6 +348,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                     # Lazy states with master weights: the masters, which the update runs on, come first.
                     self._create_missing_states(self._params_with_grad())
                 plan = self._current_plan()
+                if self.adapter.lazy_states and not plan.all_states_exist:
+                    self._check_room_for_states_the_update_creates()
                 # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
                 self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
                 skip = self._batches_without_gradients(plan, with_grad)
@@ -664,6 +666,22 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)
         return self._plan
+
+    def _check_room_for_states_the_update_creates(self) -> None:
+        """States the update is about to create (an adapter whose update makes them): refused before any batch
+        updates anything if host memory cannot take them (else the step would fail part-way, after earlier batches
+        were updated)."""
+        assert self._store is not None
+        fresh = [
+            (param, key, template)
+            for group_index, param in self._params_with_grad()
+            if is_fresh(self.state.get(param) or {})
+            for key, template in self.adapter.expected_states(
+                self._as_updated(param), self.param_groups[group_index]
+            ).items()
+        ]
+        if fresh:
+            self._store.check_room_for(fresh, self._ordered_params())
 
     def _costs_with_fresh_states(self, params: list[torch.Tensor]) -> list[int] | None:
         """Batching costs while some states are still to be created by the update, or ``None`` once none is.

@@ -72,7 +72,7 @@ class GenericAdapter(StateSwapAdapter):
         refusal = third_party_refusal(optimizer)
         if refusal is not None:
             raise UnsupportedOptimizerError(f"{type(optimizer).__name__} cannot be swapped: {refusal}")
-        self.created_keys = _probed_state_keys(optimizer)
+        self.created_keys, self._param_shaped_keys = _probed_state_keys(optimizer)
         # Schedule-free's train()/eval() move the parameters between its sequences: run through the SwapOptimizer.
         self.outside_step_methods = outside_step_methods(optimizer)
         self._step = unhooked_step(optimizer)
@@ -93,6 +93,13 @@ class GenericAdapter(StateSwapAdapter):
             f"GenericAdapter cannot tell what a fresh state of {type(self.optimizer).__name__} looks like: "
             "the optimizer's own step creates it"
         )
+
+    def expected_states(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, StateInit]:
+        """The states the probe saw the step create in the parameter's own shape and dtype (a lower bound: a state
+        of another size, a factored moment, is left out)."""
+        if not param.is_floating_point():
+            return {}
+        return {key: StateInit(tuple(param.shape), param.dtype) for key in sorted(self._param_shaped_keys)}
 
     @contextlib.contextmanager
     def step_scope(self) -> Iterator[None]:
@@ -201,10 +208,10 @@ class GenericAdapter(StateSwapAdapter):
         values.after_batch(batch_index)
 
 
-def _probed_state_keys(optimizer: torch.optim.Optimizer) -> frozenset[str] | None:
+def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str] | None, frozenset[str]]:
     """Refuse, before anything changes, an optimizer whose step the probe finds (or the class declares) not
     per-parameter, or whose states it keeps in Python objects; else the state keys the probe saw it create (``None``
-    where it was not probed: a declared optimizer)."""
+    where the probe could not step a declared optimizer), and those of them shaped like their parameter."""
     name = type(optimizer).__name__
     declared = getattr(optimizer, DECLARATION, None)
     if declared is False:
@@ -216,7 +223,7 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> frozenset[str] | Non
     if verdict.container is not None:
         raise UnsupportedOptimizerError(f"{name} cannot be swapped: {verdict.container}. Write a dedicated adapter")
     if declared is True:
-        return verdict.state_keys or None
+        return verdict.state_keys or None, verdict.param_shaped_keys
     if verdict.coupled is not None:
         raise UnsupportedOptimizerError(
             f"{name}'s step is not per-parameter: {verdict.coupled}. swap-generic runs the step batch by batch, "
@@ -229,7 +236,7 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> frozenset[str] | Non
             f"batch by batch, which is right only for such a step: if it is one, declare it ({name}.{DECLARATION} = "
             "True, on the class or the instance); if not, it needs a dedicated adapter (swap_core.register_adapter)"
         )
-    return verdict.state_keys
+    return verdict.state_keys, verdict.param_shaped_keys
 
 
 def _is_plain_or_dtensor(tensor: torch.Tensor) -> bool:

@@ -67,6 +67,9 @@ class ProbeVerdict:
     """Why the twins could not be stepped, so that nothing could be told, or ``None``."""
     state_keys: frozenset[str] = frozenset()
     """The keys of the stand-ins' states: what the optimizer creates for a parameter (when the twins stepped)."""
+    param_shaped_keys: frozenset[str] = frozenset()
+    """Those of :attr:`state_keys` whose state was, for every stand-in, a tensor of its shape and dtype: what a
+    parameter's first step creates in the parameter's own shape (other keys, a factored moment, have other sizes)."""
 
 
 GradientOf = Callable[[int, int, tuple[int, ...], torch.Generator], torch.Tensor]
@@ -100,6 +103,7 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
     """Step twins of ``optimizer`` together and apart over stand-ins of each param group; nothing of ``optimizer``
     (nor the global RNG) changes."""
     keys: set[str] = set()
+    shaped: set[str] | None = None
     for index, group in enumerate(optimizer.param_groups):
         for like in _distinct_layouts(group["params"]):
             for name, gradient_of in INPUTS.items():
@@ -110,8 +114,9 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
                     return ProbeVerdict(container=outcome.reason)
                 if isinstance(outcome, str):
                     return ProbeVerdict(coupled=f"{outcome} (param group {index}, {name})")
-                keys |= outcome
-    return ProbeVerdict(state_keys=frozenset(keys))
+                keys |= outcome.keys
+                shaped = outcome.param_shaped if shaped is None else shaped & outcome.param_shaped
+    return ProbeVerdict(state_keys=frozenset(keys), param_shaped_keys=frozenset(shaped or ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +127,12 @@ class _Unknown:
 @dataclasses.dataclass(frozen=True)
 class _Container:
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+    keys: set[str]
+    param_shaped: set[str]
 
 
 def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -135,7 +146,7 @@ def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _compare(
     optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, gradient_of: GradientOf
-) -> _Unknown | _Container | str | set[str]:
+) -> _Unknown | _Container | str | _Keys:
     """Stepped together and apart: their difference (``str``), that they could not be stepped, a state held in a
     Python object, or (all alike) the state keys.
 
@@ -157,7 +168,7 @@ def _compare(
         container = together.container_state()
         if container is not None:
             return _Container(container)
-        return together.state_keys()
+        return _Keys(together.state_keys(), together.param_shaped_keys())
     assert failed is not None
     return failed
 
@@ -215,6 +226,18 @@ class _Outcome:
 
     def state_keys(self) -> set[str]:
         return {key for state in self.states for key in state}
+
+    def param_shaped_keys(self) -> set[str]:
+        """Keys whose state is a tensor of its stand-in's shape and dtype, for every stand-in."""
+        shaped: set[str] | None = None
+        for param, state in zip(self.params, self.states, strict=True):
+            here = {
+                key
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == param.dtype
+            }
+            shaped = here if shaped is None else shaped & here
+        return shaped or set()
 
 
 def _stepped(

@@ -132,6 +132,12 @@ class StateSwapAdapter(abc.ABC):
     def update(self, batch: UpdateBatch) -> None:
         """Update ``batch.params`` in place with the wrapped optimizer's own math."""
 
+    def expected_states(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, StateInit]:
+        """For an adapter whose update creates the states (:attr:`lazy_states`): the states the first update of
+        ``param`` will create, as far as the adapter knows them (an empty dict: nothing known). The runtime checks
+        with them that host memory can take a first step's states before any batch updates anything."""
+        return {}
+
     def step_scope(self) -> contextlib.AbstractContextManager[None]:
         """Entered around every batch update of one ``step()`` (after the step hooks and the closure ran).
 

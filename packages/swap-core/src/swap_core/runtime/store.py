@@ -93,8 +93,19 @@ class StateStore:
     # -- deciding -------------------------------------------------------------
     def should_swap(self, key: str, template: torch.Tensor | StateInit) -> bool:
         """Whether a new state goes to host memory; books it against ``offload_fraction``."""
-        if self._swap_keys is not None and key not in self._swap_keys:
+        nbytes = self._eligible_bytes(key, template)
+        if nbytes is None:
             return False
+        self._candidate_bytes += nbytes
+        if self._swapped_bytes + nbytes > self._offload_fraction * self._candidate_bytes:
+            return False
+        self._swapped_bytes += nbytes
+        return True
+
+    def _eligible_bytes(self, key: str, template: torch.Tensor | StateInit) -> int | None:
+        """The bytes of a state that may be swapped (its key, dtype and size allow it), else ``None``."""
+        if self._swap_keys is not None and key not in self._swap_keys:
+            return None
         if isinstance(template, StateInit):
             eligible = is_swappable_dtype(template.dtype) and _numel(template.shape) >= max(self._min_numel, 1)
             nbytes = _numel(template.shape) * template.dtype.itemsize
@@ -102,13 +113,30 @@ class StateStore:
             local = local_tensor(template)
             eligible = is_swappable(local, min_numel=self._min_numel)
             nbytes = local.numel() * local.element_size()
-        if not eligible:
-            return False
-        self._candidate_bytes += nbytes
-        if self._swapped_bytes + nbytes > self._offload_fraction * self._candidate_bytes:
-            return False
-        self._swapped_bytes += nbytes
-        return True
+        return nbytes if eligible else None
+
+    def check_room_for(
+        self, fresh: Sequence[tuple[torch.Tensor, str, StateInit]], order: Sequence[torch.Tensor]
+    ) -> None:
+        """Refuse, before a step creates them, the states ``fresh`` (``(parameter, key, template)``) if host memory
+        cannot take those of them that would be swapped: each in a buffer of its own while the step runs, then, in
+        packed mode, the whole layout re-packed beside them. Nothing is booked or allocated."""
+        swapped, candidates = self._swapped_bytes, self._candidate_bytes
+        new: list[SwapSlot] = []
+        for param, key, template in fresh:
+            nbytes = self._eligible_bytes(key, template)
+            if nbytes is None:
+                continue
+            candidates += nbytes
+            if swapped + nbytes <= self._offload_fraction * candidates:
+                swapped += nbytes
+                new.append(SwapSlot(param, key, torch.Size(template.shape), template.dtype))
+        if not new:
+            return
+        needed = sum(pinned_size(slot.nbytes, self._host_memory) for slot in new)
+        if self._packed:
+            needed += PackedHost.required_pinned_bytes([*self.ordered_slots(order), *new], self._host_memory)
+        self._check_host_capacity(needed)
 
     def resident_value(self, template: StateInit, param: torch.Tensor) -> torch.Tensor:
         """A resident device tensor for a fresh state that is not swapped (sharded and laid out like ``param``)."""
