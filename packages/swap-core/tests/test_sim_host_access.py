@@ -299,3 +299,43 @@ def test_a_race_found_during_a_collection_keeps_nothing_of_the_code_it_interrupt
     assert marker() is None, "the pending race report kept the interrupted frame's tensors alive"
     with pytest.raises(SimRaceError, match="free of a registered host buffer"):
         sim.synchronize()
+
+
+# -- a user's reads of opt.state between steps ---------------------------------------------------------------------
+
+
+def _stepped_rmsprop(sim: SimBackend) -> tuple[list[torch.Tensor], Any]:
+    params = [torch.nn.Parameter(torch.randn(48, 40, generator=torch.Generator().manual_seed(i))) for i in range(4)]
+    optimizer = swap_optimizer(torch.optim.RMSprop(params, lr=0.01), SwapConfig(backend=sim, min_numel=16))
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    return params, optimizer
+
+
+def test_reading_opt_state_between_steps_waits_for_the_last_offload() -> None:
+    sim = SimBackend(mode="lazy")
+    params, optimizer = _stepped_rmsprop(sim)
+    assert sim.pending_ops() > 0, "the last offload is in flight"
+    with sim.host_scope():  # the user's edit, checked as host code: it must come after the copy-out
+        optimizer.state[params[0]]["square_avg"].mul_(0.5)
+    assert sim.pending_ops() == 0 and not sim.races
+
+
+def test_planted_bug_no_wait_when_the_user_reads_opt_state_is_a_race(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PipelineScheduler, "settle_for_host", lambda self: None)
+    sim = SimBackend(mode="lazy")
+    params, optimizer = _stepped_rmsprop(sim)
+    with sim.host_scope(), pytest.raises(SimRaceError, match=r"copy d2h\) and (read|write) by host"):
+        optimizer.state[params[0]]["square_avg"].mul_(0.5)
+
+
+def test_a_step_reading_its_own_state_waits_for_nothing() -> None:
+    """The optimizer's own reads of the state (a step, a prefetch) never wait: the no-edit path stays free of waits."""
+    sim = SimBackend(mode="lazy")
+    params, optimizer = _stepped_rmsprop(sim)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.prefetch()
+    optimizer.step()
+    assert sim.pending_ops() > 0, "the step's last offload is still in flight: nothing waited for it"

@@ -111,8 +111,9 @@ class SwapOptimizer(torch.optim.Optimizer):
     ``param_groups``, ``state``, ``defaults`` and the hook registries are the wrapped
     optimizer's own objects, so LR schedulers, gradient clipping and hooks see one
     optimizer, whichever handle they were given. Between steps every swapped state
-    in ``state`` is a host tensor; call :meth:`synchronize` before reading it
-    directly (``state_dict()`` does).
+    in ``state`` is a host tensor; reading ``state`` from outside a step first waits
+    for the last step's copies (and drops a pending :meth:`prefetch`), so a read sees
+    the last step's values and an edit in place is kept.
 
     What a torch user does to the optimizer is followed, as torch follows it, at the
     next step (or ``state_dict()``, ``initialize_state()``...): entries of ``state``
@@ -339,41 +340,42 @@ class SwapOptimizer(torch.optim.Optimizer):
             stats = SwapStats()
             trace = StepTrace() if self.config.trace else None
             try:
-                ordered = self._ordered_params()
-                self._follow_edits(ordered)
-                with_grad = self._collect_grads(ordered)
-                if self.adapter.lazy_states:
-                    self._pack_fresh_states(ordered)  # those a failed step left unpacked
-                if (self._master_weights or not self.adapter.lazy_states) and not self._states_complete():
-                    # Lazy states with master weights: the masters, which the update runs on, come first.
-                    self._create_missing_states(self._params_with_grad())
-                plan = self._current_plan()
-                if self.adapter.lazy_states and not plan.all_states_exist:
-                    self._check_room_for_states_the_update_creates()
-                # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
-                self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
-                skip = self._batches_without_gradients(plan, with_grad)
-                # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
-                entries_before = set(map(id, self.state)) if self._reverse_creates_states(plan) else None
-                with self.adapter.step_scope():
-                    if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
-                        self._scheduler.run(
-                            plan,
-                            self._update_batch,
-                            stats,
-                            keep_staging=self.config.keep_staging,
-                            trace=trace,
-                            skip=skip,
+                with self._scheduler.working():  # reads of the state here wait for nothing
+                    ordered = self._ordered_params()
+                    self._follow_edits(ordered)
+                    with_grad = self._collect_grads(ordered)
+                    if self.adapter.lazy_states:
+                        self._pack_fresh_states(ordered)  # those a failed step left unpacked
+                    if (self._master_weights or not self.adapter.lazy_states) and not self._states_complete():
+                        # Lazy states with master weights: the masters, which the update runs on, come first.
+                        self._create_missing_states(self._params_with_grad())
+                    plan = self._current_plan()
+                    if self.adapter.lazy_states and not plan.all_states_exist:
+                        self._check_room_for_states_the_update_creates()
+                    # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
+                    self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
+                    skip = self._batches_without_gradients(plan, with_grad)
+                    # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
+                    entries_before = set(map(id, self.state)) if self._reverse_creates_states(plan) else None
+                    with self.adapter.step_scope():
+                        if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
+                            self._scheduler.run(
+                                plan,
+                                self._update_batch,
+                                stats,
+                                keep_staging=self.config.keep_staging,
+                                trace=trace,
+                                skip=skip,
+                            )
+                    if entries_before is not None:
+                        self._tracked.move_to_end(
+                            param for param in ordered if id(param) not in entries_before and param in self.state
                         )
-                if entries_before is not None:
-                    self._tracked.move_to_end(
-                        param for param in ordered if id(param) not in entries_before and param in self.state
-                    )
-                if self.adapter.lazy_states:
-                    self._pack_fresh_states(ordered)
-                if self._backward_prefetch is not None:
-                    self._arm_backward_prefetch(after_step=True)
-                self._empty_host_cache_after_relayout()
+                    if self.adapter.lazy_states:
+                        self._pack_fresh_states(ordered)
+                    if self._backward_prefetch is not None:
+                        self._arm_backward_prefetch(after_step=True)
+                    self._empty_host_cache_after_relayout()
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
             self.trace = trace
@@ -416,19 +418,20 @@ class SwapOptimizer(torch.optim.Optimizer):
         CPU parameters, or while the first batch has no state to copy (before the first step). If the state
         or the param groups change before the step (a load, an edit, states the step creates for parameters
         with their first gradient), the step drops the prefetch and runs as without it; ``synchronize()``
-        waits for its copy. ``SwapConfig(prefetch="backward")`` calls it from the backward. Between
-        ``prefetch()`` and ``step()`` change states only through the optimizer (``load_state_dict``,
-        assigning or deleting entries): a host tensor written in place after its copy started would not
-        reach that step.
+        waits for its copy. ``SwapConfig(prefetch="backward")`` calls it from the backward. Reading ``state``
+        between ``prefetch()`` and ``step()`` drops the prefetch (the read may be an edit in place, which the
+        copy already made would miss); a host tensor kept from an earlier read and written in place after the
+        copy started would not reach that step.
         """
         if self._scheduler is None or self._scheduler.prefetched:
             return
-        self._follow_edits(self._ordered_params())
-        plan = self._current_plan()
-        if not plan.batches or not plan.batches[0].slots:  # nothing to copy in yet: the first step creates the states
-            return
-        self._start_transfer_window()
-        self._scheduler.prefetch(plan)
+        with self._scheduler.working():
+            self._follow_edits(self._ordered_params())
+            plan = self._current_plan()
+            if not plan.batches or not plan.batches[0].slots:  # nothing to copy in yet: the first step makes the states
+                return
+            self._start_transfer_window()
+            self._scheduler.prefetch(plan)
 
     def _prefetch_from_backward(self) -> None:
         """:meth:`prefetch` from a gradient hook: on the stream the steps run on, whatever stream the hook runs under
@@ -756,7 +759,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         previous = (self._tracked, self._seen_state_version, self._store, self._mirror_check, self._plan)
         tracked = state if isinstance(state, TrackedState) else TrackedState(state)
         self.optimizer.state = tracked
-        self._tracked = tracked
+        self._track(tracked)
         self._seen_state_version = tracked.version
         try:
             self._replace_store(self._new_store(self._swap_keys()))
@@ -765,6 +768,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.optimizer.state = state
             self._tracked, self._seen_state_version, self._store, self._mirror_check, self._plan = previous
             raise
+
+    def _track(self, state: TrackedState) -> None:
+        """``state`` is the optimizer's from now on: a read of it from outside the optimizer's work first waits for
+        the copies in flight (a user's edit in place between steps must not be overwritten by a copy landing)."""
+        assert self._scheduler is not None
+        state.before_access = self._scheduler.settle_for_host
+        self._tracked = state
 
     def _replace_store(self, store: StateStore) -> None:
         """A new store: nothing may keep the old one's host memory (or its states' device memory) alive.
@@ -970,7 +980,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         # Finish as torch's load_state_dict does: the wrapped optimizer's __setstate__ fills option
         # defaults missing from older checkpoints (and AdamW forces decoupled weight decay).
         self.optimizer.__setstate__({"state": state, "param_groups": groups})
-        self._tracked = state
+        self._track(state)
         self._seen_state_version = state.version
         self._layout = _layout(self.param_groups, ordered)
         store.attach(self.state)

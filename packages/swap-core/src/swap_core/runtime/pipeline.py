@@ -78,6 +78,7 @@ class PipelineScheduler:
         self._stranded_plan: SwapPlan | None = None
         self._timeline: _Timeline | None = None
         self._early: _EarlyPrefetch | None = None
+        self._working = 0
 
     def prefetch(self, plan: SwapPlan) -> None:
         """Start ``plan``'s first copy-in now, before the step that runs ``plan`` (nothing if one is pending).
@@ -188,6 +189,24 @@ class PipelineScheduler:
     def prefetched(self) -> bool:
         """Whether a :meth:`prefetch` is pending (the next step's first copy-in is issued)."""
         return self._early is not None
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """The optimizer's own work (a step, a prefetch): its reads of the state need no :meth:`settle_for_host`."""
+        self._working += 1
+        try:
+            yield
+        finally:
+            self._working -= 1
+
+    def settle_for_host(self) -> None:
+        """Outside the optimizer's own work, the host is about to read or write host mirrors (a user reads
+        ``opt.state``): the copies in flight finish first, and a pending prefetch, which copied the mirrors as they
+        were, is dropped (the step copies them again). Nothing happens when nothing is in flight."""
+        if self._working or (self._last_offload is None and self._early is None and self._stranded_plan is None):
+            return
+        self.synchronize()
+        self.discard_prefetch()
 
     def synchronize(self) -> None:
         """Block until every offload (and a pending prefetch's copy-in) finished, so host mirrors may be read

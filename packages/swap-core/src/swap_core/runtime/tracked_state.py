@@ -8,13 +8,19 @@ per step (one integer) instead of re-reading every entry.
 
 An entry created by reading a missing key (``opt.state[p]`` on a new parameter, as torch's own
 ``_init_group`` does) is not a change: it adds an empty entry, which is what a missing one means.
+
+Reading entries (``state[p]``, ``get``, ``items``, ``values``, ``pop``, ``copy``, ``repr``) first calls
+:attr:`TrackedState.before_access`: the swapped optimizer sets it to wait for the copies still in flight into
+and out of the host mirrors, so that a user who reads a state between steps sees the last step's values and an
+edit in place (``opt.state[p]["exp_avg"].mul_(0.5)``) is not overwritten by a copy landing after it. Python's
+own fast paths over a dict (``dict(state)``, ``{**state}``) read without it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,9 +38,40 @@ class TrackedState(defaultdict[torch.Tensor, dict[str, Any]]):
     def __init__(self, entries: StateEntries = ()) -> None:
         super().__init__(dict, entries)
         self.version = 0
+        self.before_access: Callable[[], None] | None = None
+        """Called before an entry is read (see the module docstring); ``None``: nothing to wait for."""
+
+    def _accessed(self) -> None:
+        hook = self.before_access
+        if hook is not None:
+            hook()
+
+    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
+        self._accessed()
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._accessed()
+        return super().get(key, default)
+
+    def items(self) -> Any:
+        self._accessed()
+        return super().items()
+
+    def values(self) -> Any:
+        self._accessed()
+        return super().values()
+
+    def copy(self) -> TrackedState:
+        self._accessed()
+        return TrackedState(dict.items(self))
+
+    def __repr__(self) -> str:
+        self._accessed()
+        return f"{type(self).__name__}({dict.__repr__(self)})"
 
     def __reduce__(self) -> Any:
-        # defaultdict's reduce passes default_factory to the constructor; this one takes only entries.
+        # defaultdict's reduce passes default_factory to the constructor; this one takes only entries (no hook).
         return (type(self), (list(self.items()),))
 
     def __missing__(self, key: torch.Tensor) -> dict[str, Any]:
@@ -59,10 +96,12 @@ class TrackedState(defaultdict[torch.Tensor, dict[str, Any]]):
         self.version += 1
 
     def pop(self, key: torch.Tensor, *default: Any) -> Any:
+        self._accessed()
         self.version += 1
         return super().pop(key, *default)
 
     def popitem(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        self._accessed()
         self.version += 1
         return super().popitem()
 

@@ -51,6 +51,7 @@ __all__ = [
     "check_late_first_gradient",
     "check_load_through_the_wrapped_optimizer",
     "check_second_wrapper",
+    "check_state_edits_in_place",
     "check_state_resets",
 ]
 
@@ -68,7 +69,6 @@ def check_state_resets(case: ConformanceCase, backend: DeviceBackend) -> None:
     for name, reset in resets.items():
         pair = make_pair(case, backend)
         pair.step_both(2)
-        pair.swapped.synchronize()  # reading a host mirror between steps (see SwapOptimizer's docstring)
         reset(pair.reference, pair.reference_params)
         reset(pair.swapped, pair.swapped_params)
         if name == "empty":
@@ -76,6 +76,27 @@ def check_state_resets(case: ConformanceCase, backend: DeviceBackend) -> None:
         pair.assert_equal(f"{case.name}: right after the {name!r} reset")  # the checkpoint holds the live state
         pair.step_both(3)
         pair.assert_equal(f"{case.name}: 3 steps after the {name!r} reset")
+
+
+def check_state_edits_in_place(case: ConformanceCase, backend: DeviceBackend) -> None:
+    """A state edited in place between steps, as torch users do (a moment halved after a loss spike, zeroed, or
+    overwritten with ``copy_``): the next step runs on the edit, even though the last step's copy to host memory
+    may still be in flight when the edit is made (reading ``opt.state`` waits for it)."""
+    edits: dict[str, Callable[[torch.Tensor], object]] = {
+        "mul_": lambda value: value.mul_(0.5),
+        "zero_": lambda value: value.zero_(),
+        "copy_": lambda value: value.copy_(torch.full_like(value, 0.25)),
+    }
+    for name, edit in edits.items():
+        pair = make_pair(case, backend)
+        pair.step_both(2)
+        for optimizer, params in ((pair.reference, pair.reference_params), (pair.swapped, pair.swapped_params)):
+            for param in params:
+                for value in optimizer.state[param].values():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point():
+                        edit(value)
+        pair.step_both(2)
+        pair.assert_equal(f"{case.name}: 2 steps after every state was edited in place ({name})")
 
 
 def check_late_first_gradient(case: ConformanceCase, backend: DeviceBackend) -> None:
@@ -299,6 +320,7 @@ def check_bypassed_overrides(case: ConformanceCase, backend: DeviceBackend) -> N
 HABIT_CHECKS: dict[str, HabitCheck] = {
     "state_resets": check_state_resets,
     "late_first_gradient": check_late_first_gradient,
+    "state_edits_in_place": check_state_edits_in_place,
     "edited_param_groups": check_edited_param_groups,
     "duplicate_params": check_duplicate_params,
     "empty_optimizer": check_empty_optimizer,
