@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.adapters.rmsprop import RMSpropAdapter
-from swap_core.errors import AdapterNotFoundError, StateDictMismatchError
+from swap_core.errors import AdapterNotFoundError, StateDictMismatchError, UnsupportedOptimizerError
 from swap_core.sim import MemoryKind, SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.conformance import through_torch_save
@@ -566,3 +566,26 @@ def test_the_wrapped_optimizers_own_state_dict_is_the_synchronized_checkpoint() 
         opt.step()
         reference.step()
     assert_state_dicts_equal(reference.state_dict(), opt.optimizer.state_dict(), "the wrapped optimizer's state_dict")
+
+
+def test_a_read_only_state_property_is_refused_clearly_before_anything_changes() -> None:
+    class ReadOnlyState(torch.optim.SGD):
+        """Keeps its state behind a property that refuses assignment once the optimizer is built."""
+
+        @property  # type: ignore[override]
+        def state(self) -> Any:
+            return self.__dict__["_state"]
+
+        @state.setter
+        def state(self, value: Any) -> None:
+            if "_state" in self.__dict__:
+                raise AttributeError("state is read-only")
+            self.__dict__["_state"] = value
+
+    params = [torch.nn.Parameter(torch.randn(64, 64))]
+    plain = ReadOnlyState(params, lr=0.1, momentum=0.9)
+    with pytest.raises(
+        UnsupportedOptimizerError, match=r"ReadOnlyState.state cannot be assigned \(state is read-only\)"
+    ):
+        swap_optimizer(plain, SwapConfig(backend=SimBackend()))
+    assert isinstance(plain.state, dict) and not plain.state

@@ -144,6 +144,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise TypeError("SwapOptimizer needs an adapter_factory; use swap_optimizer() to find one automatically")
         # Everything that can refuse runs before anything (the wrapped optimizer included) changes.
         _check_not_wrapped(optimizer)
+        _check_state_assignable(optimizer)
         check_instance_step(optimizer)
         _check_distinct_params(optimizer.param_groups)
         self.optimizer = optimizer
@@ -1202,6 +1203,20 @@ def _check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
             f"This {type(optimizer).__name__} is already wrapped by a SwapOptimizer: step that one. A second wrapper "
             "would keep a second copy of the state in host memory, and the two would diverge silently"
         )
+
+
+def _check_state_assignable(optimizer: torch.optim.Optimizer) -> None:
+    """A class whose ``state`` cannot be assigned (a read-only property): swapping follows the user's edits of
+    ``state`` through a mapping of its own, which it must put in place (torch's own ``load_state_dict`` assigns
+    ``state`` too). Tried by assigning the optimizer its own state back, which changes nothing."""
+    try:
+        optimizer.state = optimizer.state
+    except AttributeError as error:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__}.state cannot be assigned ({error}): a swapped optimizer replaces the state "
+            "mapping with one that follows edits of it (as torch's own load_state_dict assigns state). Give the "
+            "property a setter, or keep the state in the plain attribute torch.optim.Optimizer makes"
+        ) from None
 
 
 def _check_distinct_params(groups: Sequence[Mapping[str, Any]]) -> None:
