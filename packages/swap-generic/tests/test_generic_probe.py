@@ -269,3 +269,15 @@ def test_states_of_another_size_are_not_counted_against_the_host() -> None:
         param.grad = torch.ones_like(param)
     swapped.step()
     assert set(swapped.state[params[0]]) == {"step", "row_var", "col_var"}
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adagrad, torch.optim.NAdam, torch.optim.ASGD])
+def test_differentiable_is_refused_at_wrap_time_as_for_every_family(cls: type[torch.optim.Optimizer]) -> None:
+    """differentiable=True needs the states in autograd's graph from step to step; swapping copies them to host
+    memory and back in between (Adam, AdamW and RMSprop refuse it the same way)."""
+    params = _params()
+    plain = cls(params, lr=0.01, differentiable=True)
+    made = {id(param): set(state) for param, state in plain.state.items()}  # Adagrad's constructor makes its sums
+    with pytest.raises(UnsupportedOptimizerError, match=r"differentiable=True in param group 0 cannot be swapped"):
+        swap_optimizer(plain, _config())
+    assert {id(param): set(state) for param, state in plain.state.items()} == made

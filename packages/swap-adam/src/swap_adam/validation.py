@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from swap_core.adapters import refuse_differentiable
 from swap_core.errors import UnsupportedOptimizerError
 
 __all__ = [
@@ -25,9 +26,6 @@ __all__ = [
 
 ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 """Every state key ``torch.optim.Adam`` / ``AdamW`` create."""
-
-_UNSUPPORTED_OPTIONS = ("differentiable",)
-"""Group options swapping cannot honour: autograd through optimizer state cannot survive host round trips."""
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -42,15 +40,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def check_group(group: Mapping[str, Any], index: int | None, optimizer_cls: type[torch.optim.Optimizer]) -> None:
-    """Options of one param group that swapping cannot support."""
-    where = f"param group {index}" if index is not None else "a param group"
-    for option in _UNSUPPORTED_OPTIONS:
-        if group.get(option, False):
-            raise UnsupportedOptimizerError(
-                f"{optimizer_cls.__name__} with {option}=True in {where} cannot be swapped: its state is copied "
-                f"between host and device memory, which breaks the autograd graph {option} needs; "
-                f"create the optimizer with {option}=False"
-            )
+    """Options of one param group that swapping cannot support (``differentiable=True``)."""
+    refuse_differentiable(optimizer_cls.__name__, group, index)
 
 
 def check_state_keys(optimizer: torch.optim.Optimizer) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch
+from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch, refuse_differentiable
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.master_weights import masters_presented, model_param
@@ -68,6 +68,8 @@ class GenericAdapter(StateSwapAdapter):
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
+        for index, group in enumerate(optimizer.param_groups):
+            refuse_differentiable(type(optimizer).__name__, group, index)
         _check_per_parameter(optimizer)
         refusal = third_party_refusal(optimizer)
         if refusal is not None:

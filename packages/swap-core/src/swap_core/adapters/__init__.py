@@ -8,6 +8,7 @@ from swap_core.adapters.base import (
     StateInit,
     StateSwapAdapter,
     UpdateBatch,
+    refuse_differentiable,
 )
 from swap_core.adapters.registry import (
     ENTRY_POINT_GROUP,
@@ -27,5 +28,6 @@ __all__ = [
     "StateSwapAdapter",
     "UpdateBatch",
     "default_registry",
+    "refuse_differentiable",
     "register_adapter",
 ]

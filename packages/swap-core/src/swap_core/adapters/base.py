@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import UnsupportedOptimizerError
 from .overrides import check_no_bypassed_overrides
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "StateInit",
     "StateSwapAdapter",
     "UpdateBatch",
+    "refuse_differentiable",
 ]
 
 ADAPTER_API_VERSION = 1
@@ -218,3 +220,19 @@ def _keys(keys: Sequence[object]) -> str:
 
 
 AdapterFactory = Callable[[torch.optim.Optimizer], StateSwapAdapter]
+
+
+def refuse_differentiable(optimizer_name: str, group: Mapping[str, Any], index: int | None) -> None:
+    """Refuse a param group with ``differentiable=True``, naming it: every family does, before anything changes.
+
+    Autograd through the update needs the states in the graph from one step to the next; a swapped state is copied
+    to host memory and back between steps, which cuts the graph (torch's own gradcheck of such an update would
+    differ, or fail part-way through a step).
+    """
+    if group.get("differentiable", False):
+        where = f"param group {index}" if index is not None else "a param group"
+        raise UnsupportedOptimizerError(
+            f"{optimizer_name} with differentiable=True in {where} cannot be swapped: its state is copied between "
+            "host and device memory, which breaks the autograd graph differentiable=True needs; create the "
+            "optimizer with differentiable=False (or keep it unswapped)"
+        )

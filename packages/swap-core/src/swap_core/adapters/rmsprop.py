@@ -13,7 +13,7 @@ import torch
 from torch.optim.rmsprop import rmsprop
 
 from ..errors import UnsupportedOptimizerError
-from .base import StateInit, StateSwapAdapter, UpdateBatch
+from .base import StateInit, StateSwapAdapter, UpdateBatch, refuse_differentiable
 
 __all__ = ["RMSpropAdapter", "register"]
 
@@ -70,12 +70,12 @@ def _step_dtype() -> torch.dtype:
 
 
 def _check_group(group: dict[str, Any], index: int | None) -> None:
-    where = f"param group {index}" if index is not None else "a param group"
-    for option in ("capturable", "differentiable"):
-        if group.get(option, False):
-            raise UnsupportedOptimizerError(
-                f"RMSprop with {option}=True in {where} cannot be swapped; create the optimizer with {option}=False"
-            )
+    refuse_differentiable("RMSprop", group, index)
+    if group.get("capturable", False):
+        where = f"param group {index}" if index is not None else "a param group"
+        raise UnsupportedOptimizerError(
+            f"RMSprop with capturable=True in {where} cannot be swapped; create the optimizer with capturable=False"
+        )
 
 
 def register(registry: Any) -> None:
