@@ -84,3 +84,17 @@ def test_meta_backend_refuses_cpu_tensors_naming_the_device() -> None:
         meta.copy(meta.empty((4,), torch.float32), torch.zeros(4), stream=meta.new_stream())
     assert not meta.owns(torch.zeros(4))
     assert meta.owns(torch.empty(4, device="meta"))
+
+
+def test_an_optimizer_without_parameters_yet_takes_a_backend_whose_device_is_not_the_cpu() -> None:
+    """A backend that does not own CPU memory (meta here, a GPU on a device) is taken by an optimizer whose groups come
+    later. The CPU simulator owns CPU tensors, so it could not show the refusal an H200 found; the meta simulator,
+    whose device is another one, does."""
+    meta = MetaBackend()
+    swapped = swap_optimizer(torch.optim.RMSprop([{"params": []}], lr=1e-3), SwapConfig(backend=meta, min_numel=16))
+    params = _params("meta", torch.float32)
+    swapped.add_param_group({"params": params})
+    for param in params:
+        param.grad = torch.empty_like(param)
+    swapped.step()
+    assert swapped.stats.h2d_bytes > 0
