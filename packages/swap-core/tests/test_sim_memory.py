@@ -142,9 +142,14 @@ def test_restore_storage_needs_a_whole_dense_tensor() -> None:
 
 
 def _allocate_until_address_reused(allocate: Callable[[], torch.Tensor], key: int) -> torch.Tensor:
-    """Allocate until a storage lands at ``key`` (the CPU allocator reuses freed addresses within a few tries)."""
+    """Allocate until a storage lands at ``key`` (the CPU allocator reuses freed addresses within a few tries).
+
+    Callers collect garbage before they make the storage whose address they wait for: garbage of earlier tests
+    collected between its free and these tries would put chunks of its size in front of it in the allocator's
+    free lists (it failed now and then under pytest-xdist on a loaded machine).
+    """
     kept = []
-    for _ in range(50):
+    for _ in range(200):
         tensor = allocate()
         if tensor.untyped_storage()._cdata == key:
             return tensor
@@ -153,6 +158,7 @@ def _allocate_until_address_reused(allocate: Callable[[], torch.Tensor], key: in
 
 
 def test_a_collected_host_buffer_does_not_classify_its_address_successor() -> None:
+    gc.collect()  # earlier tests' garbage goes now, not between this free and its successor (see above)
     sim = SimBackend()
     host = sim.empty_host(4, torch.float32)
     key = host.untyped_storage()._cdata
@@ -166,6 +172,7 @@ def test_a_collected_host_buffer_does_not_classify_its_address_successor() -> No
 def test_a_new_allocation_at_a_reused_address_starts_without_history() -> None:
     # Without the caching allocator: CPU memory reused by torch is an unrelated block. (With it, the same
     # program reuses the freed block itself, a premature reuse: test_sim_caching_allocator.py.)
+    gc.collect()  # earlier tests' garbage goes now, not between this free and its successor (see above)
     sim = SimBackend(mode="sync", caching_allocator=False)
     compute, d2h = sim.compute_stream(), sim.new_stream()
     host = sim.empty_host(4, torch.float32)
