@@ -160,16 +160,70 @@ class RandomInitialState(_PlainSGD):
         super()._update(group, param, grad)
 
 
+class DrivenOutsideStep(_PlainSGD):
+    """Updates each parameter in its own backward method (a LOMO-style fused backward); ``step()`` is not supported."""
+
+    swap_per_parameter = True  # even declared: it has no step to batch
+
+    def fused_backward(self, loss: torch.Tensor, lr: float) -> None:
+        loss.backward()
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        raise NotImplementedError("DrivenOutsideStep updates parameters in fused_backward(loss, lr), not in step()")
+
+
+class HessianFromGradients(_PlainSGD):
+    """Scales each update by a curvature estimate from a Hessian-vector product through the gradients' graph (as
+    AdaHessian- or Sophia-style optimizers do after ``loss.backward(create_graph=True)``)."""
+
+    retain_graph = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        params = [param for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if not params:
+            return None
+        grads = [param.grad for param in params]
+        probes = [torch.randint_like(param, 2) * 2 - 1 for param in params]
+        products = torch.autograd.grad(grads, params, grad_outputs=probes, retain_graph=self.retain_graph)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                where = next(index for index, other in enumerate(params) if other is param)
+                curvature = (products[where] * probes[where]).abs() + 1e-3
+                param.add_(param.grad.detach() / curvature, alpha=-group["lr"])
+        return None
+
+
+class HessianKeepingTheGraph(HessianFromGradients):
+    """The same with ``retain_graph=True``: every batch runs, but each reads a Hessian without its cross terms."""
+
+    retain_graph = True
+
+
 REFUSED = {
     "clipping inside the step": (ClippingInsideStep, r"large gradients"),
     "skipping on a non-finite gradient": (SkipsOnNonFinite, r"a non-finite gradient in one parameter"),
     "a group-wide statistic in the group": (GroupStatistic, r"wrote param group 0's 'grad_norm' as"),
-    "a param group added by the step": (AddsAGroup, r"failed differently .*changed param_groups"),
+    "a param group added by the step": (AddsAGroup, r"one at a time failed where .* did not .*changed param_groups"),
     "a list in the state": (ListState, r"keeps state 'history' as a list"),
     "a counter outside the parameters' entries": (GlobalCounter, r"gave different values"),
     "a counter outside the parameters' entries, unused": (CountsOnly, r"entries of optimizer.state that belong to no"),
     "parameters paired by position": (PairedByPosition, r"gave different values"),
     "a step that needs the closure": (NeedsTheClosure, r"could not check .* requires closure.*swap_per_parameter"),
+    "an optimizer driven outside step()": (
+        DrivenOutsideStep,
+        r"its step\(\) is not implemented \(.*fused_backward\(loss, lr\).*driven outside step\(\)",
+    ),
+    "a step that runs autograd through the gradients": (
+        HessianFromGradients,
+        r"cannot run batch by batch: .*backward through the graph a second time.*carrying their graph",
+    ),
+    "a step that runs autograd through the gradients, keeping the graph": (
+        HessianKeepingTheGraph,
+        r"not per-parameter: .*gave different values.*carrying their graph",
+    ),
 }
 
 
@@ -220,6 +274,12 @@ def test_a_declaration_settles_what_the_probe_cannot_tell_or_would_refuse() -> N
 
     swapped = swap_optimizer(DeclaredPerParameter(_params()), _config())
     assert isinstance(swapped.adapter, GenericAdapter)
+
+    class DeclaredButFailsApart(HessianFromGradients):
+        swap_per_parameter = True  # no declaration makes the second batch not raise
+
+    with pytest.raises(UnsupportedOptimizerError, match=r"cannot run batch by batch"):
+        swap_optimizer(DeclaredButFailsApart(_params()), _config())
 
     class DeclaredCoupled(_PlainSGD):
         swap_per_parameter = False

@@ -224,6 +224,19 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str]
     verdict = probe_step(optimizer)
     if verdict.container is not None:
         raise UnsupportedOptimizerError(f"{name} cannot be swapped: {verdict.container}. Write a dedicated adapter")
+    if verdict.no_step is not None:
+        raise UnsupportedOptimizerError(
+            f"{name} cannot be swapped: {verdict.no_step}. It is driven outside step() (e.g. by a fused backward "
+            "that updates each parameter as its gradient is computed); swap moves states to the device and back "
+            "around step(), so such an optimizer needs a dedicated adapter (swap_core.register_adapter)"
+        )
+    if verdict.fails_apart is not None:  # no declaration makes a later batch not raise: it would half-step the model
+        raise UnsupportedOptimizerError(
+            f"{name}'s step cannot run batch by batch: {verdict.fails_apart}. swap-generic runs the step once per "
+            "batch, so a later batch would fail after earlier ones were updated (a step that runs autograd through "
+            "the gradients' graph frees it in the first batch). It needs a dedicated adapter "
+            "(swap_core.register_adapter)"
+        )
     if declared is True:
         return verdict.state_keys or None, verdict.param_shaped_keys
     if verdict.coupled is not None:

@@ -16,16 +16,23 @@ And it looks at what the step leaves: a state held in a Python object (a list, a
 param groups. Each twin steps under a forked RNG seeded alike, so an optimizer that draws its initial states at random
 is compared with itself, and the caller's RNG is left as it was.
 
+A step that runs autograd on the gradients (Hessian-vector products: the gradients must carry their graph, as after
+``loss.backward(create_graph=True)``) fails on plain gradients: the probe then gives the stand-ins gradients with a
+graph of their own, one graph over both stand-ins with a term coupling them, as a loss over the real parameters is.
+Run one stand-in at a time, such a step fails at its second batch (the first freed the graph) or reads a Hessian
+without its cross terms: either way it is not per-parameter.
+
 What it cannot see: a coupling that only shows on inputs it does not try, or only after more than
-:data:`PROBE_STEPS` steps; a step that needs the closure or runs autograd on the stand-ins; parameters paired by
-their position in a group. When it cannot step the twins at all, it cannot tell: :attr:`ProbeVerdict.unknown`
-says why, and the adapter refuses unless the optimizer declares itself (``swap_per_parameter``).
+:data:`PROBE_STEPS` steps; a step that needs the closure. When it cannot step the twins at all, it cannot tell:
+:attr:`ProbeVerdict.unknown` says why, and the adapter refuses unless the optimizer declares itself
+(``swap_per_parameter``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import warnings
 from collections import defaultdict
@@ -52,6 +59,9 @@ _OTHER_SIZES = (3, 5, 2, 2, 2)
 _LARGE = 1e4
 """The large gradients' scale: a global norm of the stand-ins' gradients far above any clipping threshold."""
 
+_CROSS = 0.125
+"""The weight of the term that couples the stand-ins in the loss behind gradients that carry a graph."""
+
 _PLAIN_VALUES = (int, float, bool, complex, str, type(None))
 
 
@@ -65,6 +75,12 @@ class ProbeVerdict:
     """A state the step keeps in a Python object (refused whatever the optimizer declares), or ``None``."""
     unknown: str | None = None
     """Why the twins could not be stepped, so that nothing could be told, or ``None``."""
+    no_step: str | None = None
+    """Why the optimizer has no step to run (it raises ``NotImplementedError``: other methods drive it, such as a
+    fused backward), or ``None``. Refused whatever the optimizer declares."""
+    fails_apart: str | None = None
+    """Why the step fails when run one batch at a time where it runs whole (refused whatever the optimizer declares:
+    no declaration makes a later batch not raise), or ``None``."""
     state_keys: frozenset[str] = frozenset()
     """The keys of the stand-ins' states: what the optimizer creates for a parameter (when the twins stepped)."""
     param_shaped_keys: frozenset[str] = frozenset()
@@ -106,21 +122,44 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
     shaped: set[str] | None = None
     for index, group in enumerate(optimizer.param_groups):
         for like in _distinct_layouts(group["params"]):
+            with_graph = False
             for name, gradient_of in INPUTS.items():
-                outcome = _compare(optimizer, index, like, gradient_of)
+                outcome = _compare(optimizer, index, like, gradient_of, with_graph=with_graph)
+                if isinstance(outcome, _Unknown) and not with_graph:
+                    # A step that runs autograd on the gradients needs them to carry a graph: try such gradients.
+                    retried = _compare(optimizer, index, like, gradient_of, with_graph=True)
+                    if not isinstance(retried, _Unknown):
+                        outcome, with_graph = retried, True
+                if isinstance(outcome, _Unknown) and outcome.not_implemented:
+                    return ProbeVerdict(no_step=outcome.reason)
                 if isinstance(outcome, _Unknown):
                     return ProbeVerdict(unknown=outcome.reason)
                 if isinstance(outcome, _Container):
                     return ProbeVerdict(container=outcome.reason)
+                if isinstance(outcome, _FailsApart):
+                    return ProbeVerdict(
+                        fails_apart=f"{outcome.reason} (param group {index}, {_named(name, with_graph)})"
+                    )
                 if isinstance(outcome, str):
-                    return ProbeVerdict(coupled=f"{outcome} (param group {index}, {name})")
+                    return ProbeVerdict(coupled=f"{outcome} (param group {index}, {_named(name, with_graph)})")
                 keys |= outcome.keys
                 shaped = outcome.param_shaped if shaped is None else shaped & outcome.param_shaped
     return ProbeVerdict(state_keys=frozenset(keys), param_shaped_keys=frozenset(shaped or ()))
 
 
+def _named(name: str, with_graph: bool) -> str:
+    return f"{name} carrying their graph" if with_graph else name
+
+
 @dataclasses.dataclass(frozen=True)
 class _Unknown:
+    reason: str
+    not_implemented: bool = False
+    """The step raised ``NotImplementedError``: the optimizer is driven by other methods."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _FailsApart:
     reason: str
 
 
@@ -145,23 +184,30 @@ def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _compare(
-    optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, gradient_of: GradientOf
-) -> _Unknown | _Container | str | _Keys:
-    """Stepped together and apart: their difference (``str``), that they could not be stepped, a state held in a
-    Python object, or (all alike) the state keys.
+    optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, gradient_of: GradientOf, *, with_graph: bool
+) -> _Unknown | _Container | _FailsApart | str | _Keys:
+    """Stepped together and apart: their difference (``str``), that the step fails apart only, that they could not
+    be stepped, a state held in a Python object, or (all alike) the state keys.
 
     The twins copy the optimizer's attributes; where such a twin cannot step (a constructor that makes states:
     Adagrad's ``sum``), twins built by the optimizer's own constructor are tried.
     """
     failed: _Unknown | None = None
     for constructed in (False, True):
-        together = _stepped(optimizer, index, like, gradient_of, apart=False, constructed=constructed)
+        twins = functools.partial(
+            _stepped, optimizer, index, like, gradient_of, constructed=constructed, with_graph=with_graph
+        )
+        together = twins(apart=False)
         if isinstance(together, _Unknown):
             failed = failed or together  # the copied twin's failure says more than the constructor's
             continue
-        apart = _stepped(optimizer, index, like, gradient_of, apart=True, constructed=constructed)
+        apart = twins(apart=True)
         if isinstance(apart, _Unknown):
             return f"stepping the stand-ins one at a time failed where stepping them together did not ({apart.reason})"
+        if apart.failure is not None and together.failure is None:
+            return _FailsApart(
+                f"stepping the stand-ins one at a time failed where stepping them together did not ({apart.failure})"
+            )
         difference = together.difference(apart)
         if difference is not None:
             return f"stepping two stand-in parameters together and one at a time {difference}"
@@ -248,8 +294,10 @@ def _stepped(
     *,
     apart: bool,
     constructed: bool,
+    with_graph: bool = False,
 ) -> _Outcome | _Unknown:
-    """A twin of ``optimizer`` over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps."""
+    """A twin of ``optimizer`` over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps (``with_graph``:
+    their gradients carry a graph, see :func:`_with_graph`)."""
     generator = torch.Generator().manual_seed(_SEED)
     shapes = [tuple(sizes[: like.dim()]) for sizes in (_SIZES, _OTHER_SIZES)]
     # Meta tensors hold no values to compare (swap-bench's planner steps them): the stand-ins live on the CPU.
@@ -268,14 +316,22 @@ def _stepped(
             with step_hooks_silenced(twin), torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 for step_index in range(PROBE_STEPS):
-                    for position, standin in enumerate(standins):
-                        standin.grad = gradient_of(step_index, position, tuple(standin.shape), generator).to(device)
+                    grads = [
+                        gradient_of(step_index, position, tuple(standin.shape), generator).to(device)
+                        for position, standin in enumerate(standins)
+                    ]
+                    if with_graph:
+                        grads = _with_graph(standins, grads)
+                    for standin, grad in zip(standins, grads, strict=True):
+                        standin.grad = grad
                     if apart:
                         _step_one_at_a_time(twin, step, index, standins)
                     else:
                         step()
         except UnsupportedOptimizerError as refusal:  # the batch-by-batch runner's own refusal: not per-parameter
             return _Outcome([], [], {}, [], f"{type(refusal).__name__}: {refusal}")
+        except NotImplementedError as error:  # driven outside step() (a fused backward): nothing to batch
+            return _Unknown(f"its step() is not implemented ({error})", not_implemented=True)
         except Exception as error:
             if not apart and step_index == 0:
                 return _Unknown(f"its step failed on stand-in parameters: {type(error).__name__}: {error}")
@@ -287,6 +343,20 @@ def _stepped(
         groups=[{key: value for key, value in group.items() if key != "params"} for group in twin.param_groups],
         failure=failure,
     )
+
+
+def _with_graph(standins: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients that carry one graph over every stand-in, as ``loss.backward(create_graph=True)`` leaves them.
+
+    The loss is ``sum(g_i * s_i) + _CROSS / 2 * (sum of every stand-in's elements) ** 2``: each gradient is ``g_i``
+    plus a term that reads every stand-in, so the Hessian has cross terms between stand-ins, as a real model's has.
+    """
+    with torch.enable_grad():
+        total = torch.stack([standin.sum() for standin in standins]).sum()
+        loss = sum((grad * standin).sum() for grad, standin in zip(grads, standins, strict=True)) + (
+            _CROSS / 2 * total * total
+        )
+        return list(torch.autograd.grad(loss, standins, create_graph=True))
 
 
 def _step_one_at_a_time(
