@@ -318,7 +318,7 @@ def test_reading_opt_state_between_steps_waits_for_the_last_offload() -> None:
     params, optimizer = _stepped_rmsprop(sim)
     assert sim.pending_ops() > 0, "the last offload is in flight"
     with sim.host_scope():  # the user's edit, checked as host code: it must come after the copy-out
-        optimizer.state[params[0]]["square_avg"].mul_(0.5)
+        optimizer.state[params[-1]]["square_avg"].mul_(0.5)
     assert sim.pending_ops() == 0 and not sim.races
 
 
@@ -326,8 +326,9 @@ def test_planted_bug_no_wait_when_the_user_reads_opt_state_is_a_race(monkeypatch
     monkeypatch.setattr(PipelineScheduler, "settle_for_host", lambda self: None)
     sim = SimBackend(mode="lazy")
     params, optimizer = _stepped_rmsprop(sim)
+    # The last batch's: a first step's journal waited for the earlier batches' copies (see test_failed_step.py).
     with sim.host_scope(), pytest.raises(SimRaceError, match=r"copy d2h\) and (read|write) by host"):
-        optimizer.state[params[0]]["square_avg"].mul_(0.5)
+        optimizer.state[params[-1]]["square_avg"].mul_(0.5)
 
 
 def test_a_step_reading_its_own_state_waits_for_nothing() -> None:

@@ -45,6 +45,40 @@ def test_host_blocking_calls_advance_the_host_clock() -> None:
     assert done is not None and done.host == pytest.approx(max(done.compute, done.transfers))
 
 
+def test_a_read_to_host_waits_for_the_current_stream_and_the_link() -> None:
+    sim = SimBackend(mode="lazy", timing=LINK)
+    device = sim.empty((NUMEL,), torch.float32)
+    with sim.compute_scope():
+        device.fill_(1.5)
+    sim.model_compute(1e-3)
+    computed = sim.modeled_times()
+    assert computed is not None
+    copy = sim.read_to_host(device)
+    read = sim.modeled_times()
+    assert read is not None and read.host == pytest.approx(computed.compute + NUMEL * 4 / 20e9), (
+        "the host waits for the stream's work so far, then for the bytes to cross the link"
+    )
+    assert torch.equal(copy, torch.full((NUMEL,), 1.5)), "a copy of the values"
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["read_to_host", "planted_no_wait"])
+def test_a_read_to_host_orders_the_host_after_what_the_stream_waited_for(reads: bool) -> None:
+    """The host then reads a host buffer that a copy the compute stream waited for wrote: ordered, no race; the
+    same read without the wait is a race (the rule the journal of a first step relies on)."""
+    sim = SimBackend(mode="lazy", on_race="record")
+    device = sim.empty((64,), torch.float32)
+    host = sim.empty_host(64, torch.float32)
+    d2h = sim.new_stream()
+    sim.wait_event(d2h, sim.record_event(sim.compute_stream()))
+    sim.copy(host, device, stream=d2h)
+    sim.wait_event(sim.compute_stream(), sim.record_event(d2h))
+    if reads:
+        sim.read_to_host(device)
+    with sim.host_scope():
+        host.add_(1.0)
+    assert bool(sim.races) is not reads, sim.races
+
+
 def _swapped(sim: SimBackend, **options: object) -> tuple[list[torch.Tensor], SwapOptimizer]:
     params = [torch.nn.Parameter(torch.randn(NUMEL, generator=torch.Generator().manual_seed(i))) for i in range(8)]
     config = SwapConfig(backend=sim, **{"swap_times": 4, **options})  # type: ignore[arg-type]

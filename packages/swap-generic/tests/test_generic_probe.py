@@ -341,3 +341,64 @@ def test_differentiable_is_refused_at_wrap_time_as_for_every_family(cls: type[to
     with pytest.raises(UnsupportedOptimizerError, match=r"differentiable=True in param group 0 cannot be swapped"):
         swap_optimizer(plain, _config())
     assert {id(param): set(state) for param, state in plain.state.items()} == made
+
+
+class RaisesOnLargeParameters(_PlainSGD):
+    """Counts its steps in the group (as schedule-free optimizers do) and raises on a parameter larger than a limit:
+    a check only the real parameters trip (the probe's stand-ins are small), so it raises in a later batch."""
+
+    limit = 1000
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, lr)
+        for group in self.param_groups:
+            group["k"] = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            group["k"] += 1
+            for param in group["params"]:
+                if param.numel() > self.limit:
+                    raise ValueError(f"a parameter of {param.numel()} elements is over the limit of {self.limit}")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "random"])
+def test_an_error_of_the_optimizers_own_code_in_a_later_batch_of_a_first_step_leaves_everything_as_before(
+    mode: str,
+) -> None:
+    shapes = ((8, 8), (16, 20), (48, 40))  # the last, over the limit, is in the last of three batches
+
+    def params() -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(3)
+        return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+
+    def set_grads(values: list[torch.Tensor], step: int) -> None:
+        generator = torch.Generator().manual_seed(50 + step)
+        for param in values:
+            param.grad = torch.randn(param.shape, generator=generator)
+
+    swapped_params, twin_params = params(), params()
+    swapped = swap_optimizer(
+        RaisesOnLargeParameters(swapped_params),
+        SwapConfig(backend=SimBackend(mode=mode, seed=2), swap_times=3, min_numel=16),
+    )
+    before = _snapshot(swapped.optimizer, swapped_params)
+    set_grads(swapped_params, 0)
+    with pytest.raises(ValueError, match="over the limit"):
+        swapped.step()
+    values, state, groups, _ = _snapshot(swapped.optimizer, swapped_params)
+    for index, (expected, actual) in enumerate(zip(before[0], values, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the failed step")
+    assert not any(state.values()) and groups == before[2] == [{"lr": 0.1, "k": 0}], (state, groups)
+    # It goes on as a twin that never saw the failed step.
+    twin = RaisesOnLargeParameters(twin_params)
+    twin.limit = swapped.optimizer.limit = 10_000  # type: ignore[attr-defined]
+    for step in range(3):
+        for values, optimizer in ((swapped_params, swapped), (twin_params, twin)):
+            set_grads(values, step)
+            optimizer.step()
+    for index, (expected, actual) in enumerate(zip(twin_params, swapped_params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} 3 steps after the failed one")
+    assert swapped.param_groups[0]["k"] == twin.param_groups[0]["k"] == 3

@@ -47,6 +47,7 @@ from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.pipeline import PipelineScheduler, drain_in_flight_copies
 from .runtime.plan import PlannedBatch, SwapPlan, build_plan
 from .runtime.slots import SwapSlot, layout_stride
+from .runtime.step_journal import StepJournal, note_partial_step
 from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
 from .state_dict_loading import load_swapped_state
@@ -176,6 +177,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._resident_bytes = 0
         self._every_param_ready = False
         self._step_grads: list[torch.Tensor | None] = []
+        self._journal: StepJournal | None = None
+        """The step's journal while a step that creates every state it updates runs (see ``_first_step_journal``)."""
+        self._batches_updated = 0
         self._tracked = TrackedState()
         self._host_cache_emptied_at: tuple[int, int] | None = None
         self._seen_state_version = -1
@@ -347,6 +351,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                     with_grad = self._collect_grads(ordered)
                     if self.adapter.lazy_states:
                         self._pack_fresh_states(ordered)  # those a failed step left unpacked
+                    self._journal = None if self._states_complete() else self._first_step_journal()
+                    self._batches_updated = 0
                     if (self._master_weights or not self.adapter.lazy_states) and not self._states_complete():
                         # Lazy states with master weights: the masters, which the update runs on, come first.
                         self._create_missing_states(self._params_with_grad())
@@ -358,16 +364,20 @@ class SwapOptimizer(torch.optim.Optimizer):
                     skip = self._batches_without_gradients(plan, with_grad)
                     # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
                     entries_before = set(map(id, self.state)) if self._reverse_creates_states(plan) else None
-                    with self.adapter.step_scope():
-                        if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
-                            self._scheduler.run(
-                                plan,
-                                self._update_batch,
-                                stats,
-                                keep_staging=self.config.keep_staging,
-                                trace=trace,
-                                skip=skip,
-                            )
+                    try:
+                        with self.adapter.step_scope():
+                            if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
+                                self._scheduler.run(
+                                    plan,
+                                    self._update_batch,
+                                    stats,
+                                    keep_staging=self.config.keep_staging,
+                                    trace=trace,
+                                    skip=skip,
+                                )
+                    except BaseException as error:
+                        self._after_failed_step(error, len(plan.batches) + (plan.resident is not None))
+                        raise
                     if entries_before is not None:
                         self._tracked.move_to_end(
                             param for param in ordered if id(param) not in entries_before and param in self.state
@@ -379,6 +389,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self._empty_host_cache_after_relayout()
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
+                self._journal = None
             self.trace = trace
             note_step_for_lr_schedulers(self.optimizer)
         stats.resident_state_device_bytes = self._resident_bytes
@@ -482,6 +493,30 @@ class SwapOptimizer(torch.optim.Optimizer):
             for name in forwarded:
                 self.optimizer.__dict__.pop(name, None)
 
+    def _first_step_journal(self) -> StepJournal | None:
+        """A journal for a step that creates every state it updates (then a failed step can be undone whole), or
+        ``None`` when some parameter with a gradient already has its state (see :mod:`~swap_core.runtime.step_journal`).
+        """
+        params = [param for _, param in self._params_with_grad()]
+        if not params or not all(is_fresh(self.state.get(param) or {}) for param in params):
+            return None
+        assert self.backend is not None
+        return StepJournal(self.backend, params)
+
+    def _after_failed_step(self, error: BaseException, batches: int) -> None:
+        """A step raised: undo it whole where it created every state it updated, else say what it applied."""
+        journal = self._journal
+        if journal is None:
+            note_partial_step(error, self._batches_updated, batches)
+            return
+        assert self._scheduler is not None
+        self._scheduler.synchronize()  # the copies of the states about to be dropped have landed
+        journal.restore()
+        for param in journal.created:  # the states this step made go, as if it never ran
+            if param in self.state:
+                del self.state[param]
+        self._plan = None
+
     def _update_batch(self, batch: PlannedBatch) -> None:
         fresh: list[torch.Tensor] = []
         with self._device_states_in_place(batch):
@@ -499,6 +534,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                         fresh += [param for param, state in zip(params, states, strict=True) if is_fresh(state)]
                 if params:
                     group = self.param_groups[group_index]
+                    if self._journal is not None:
+                        self._journal.record(params)
                     if self._master_weights:  # the update runs on the fp32 masters, the params follow them
                         masters = on_masters(params, grads, states)
                         try:
@@ -510,6 +547,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                         masters.set_params()
                     else:
                         self.adapter.update(UpdateBatch(group, params, grads, states, batch.index))
+        self._batches_updated += 1
         if fresh:
             # States the update just created on the device go to host memory now, before the next batch
             # creates its own (one batch of fresh states on the device at a time).

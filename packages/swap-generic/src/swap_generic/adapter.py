@@ -109,9 +109,9 @@ class GenericAdapter(StateSwapAdapter):
 
         If no batch ran the optimizer (no parameter has a gradient), its step runs once over empty
         groups, as a plain step over parameters without gradients would (it may still write group
-        values, e.g. a step count).
+        values, e.g. a step count). If the step fails, every group value is put back as the step found it.
         """
-        self._group_values = GroupValues(self.optimizer)
+        values = self._group_values = GroupValues(self.optimizer)
         self._narrowed = NarrowedGroups(self.optimizer)
         self._stepped = False
         try:
@@ -119,6 +119,9 @@ class GenericAdapter(StateSwapAdapter):
                 yield
                 if not self._stepped:
                     self._narrowed_step(None, [], batch_index=0)
+        except BaseException:
+            values.put_back_start()  # a step that failed part-way leaves the group values it found
+            raise
         finally:
             self._group_values = None
             self._narrowed = None

@@ -67,6 +67,19 @@ class GroupValues:
                 else:
                     group[key] = original
 
+    def put_back_start(self) -> None:
+        """Every group as the step found it (a step that failed part-way): each value the step began with, written
+        back (tensors in place), and each key the step added removed."""
+        for group, start, tensors in zip(self._groups, self._start, self._start_tensors, strict=True):
+            for key in [key for key in group if key != "params" and key not in start]:
+                del group[key]
+            for key, original in start.items():
+                if key in tensors and group.get(key) is original:
+                    saved, _ = tensors[key]
+                    group[key].copy_(saved)  # the same tensor, written in place
+                else:
+                    group[key] = original
+
     def after_batch(self, batch_index: int) -> None:
         """Record the first batch's writes; refuse a later batch that wrote anything else."""
         if not self._written and self._untouched():

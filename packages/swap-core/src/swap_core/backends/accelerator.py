@@ -336,6 +336,10 @@ class AcceleratorBackend:
         """Real devices need no per-op checking."""
         return contextlib.nullcontext()
 
+    def read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor.to("cpu")``: a copy on the current stream into pageable memory, which the host waits for."""
+        return tensor.detach().to("cpu", copy=True)
+
 
 def accelerator_available(device_type: str) -> bool:
     """Whether :class:`AcceleratorBackend` can drive a ``device_type`` device here (never raises)."""

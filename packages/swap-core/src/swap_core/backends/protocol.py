@@ -184,3 +184,9 @@ class DeviceBackend(Protocol):
         """Context in which the host reads or writes host buffers; the simulator checks every op inside it
         against the copies in flight (real backends: nothing)."""
         ...
+
+    def read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of device ``tensor`` in pageable host memory, as ``tensor.to("cpu")`` makes it: ordered after the
+        current stream's work so far, and the host waits for it. Host-blocking: for rare paths only (the journal of
+        a first step, see :mod:`swap_core.runtime.step_journal`)."""
+        ...

@@ -681,6 +681,17 @@ class SimBackend:
             return contextlib.nullcontext()
         return self._checked_scope(self._op_checker, timed=False)
 
+    def read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor.to("cpu")`` of a device tensor: the current stream's queued work runs first, the host waits for
+        that stream and, on the virtual clock, for the bytes to cross the link too; the copy is plain memory."""
+        self._tick()
+        stream = self._issue_on_current()
+        if self._race_checker is not None:
+            self._race_checker.host_waits_for(stream)
+        if self._clock is not None:
+            self._clock.host_waits(self._clock.issue_transfer(stream, "d2h", tensor.numel() * tensor.element_size()))
+        return tensor.detach().clone()
+
     def model_compute(self, seconds: float) -> None:
         """Put ``seconds`` of modeled work (a forward and backward) on the compute stream's virtual timeline."""
         if self._clock is None:
