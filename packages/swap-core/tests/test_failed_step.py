@@ -43,8 +43,17 @@ def _set_grads(params: list[torch.Tensor], step: int) -> None:
         param.grad = torch.randn(param.shape, generator=generator).to(param.dtype).to(param.device)
 
 
-def _swapped(kind: str, params: list[torch.Tensor], backend: DeviceBackend, packed: bool) -> SwapOptimizer:
-    config = SwapConfig(backend=backend, swap_times=3, min_numel=64, packed=packed, master_weights=kind == "masters")
+def _swapped(
+    kind: str, params: list[torch.Tensor], backend: DeviceBackend, packed: bool, *, undo: bool = False
+) -> SwapOptimizer:
+    config = SwapConfig(
+        backend=backend,
+        swap_times=3,
+        min_numel=64,
+        packed=packed,
+        master_weights=kind == "masters",
+        undo_failed_steps=undo,
+    )
     if kind == "lazy":
         return SwapOptimizer(torch.optim.SGD(params, lr=0.05), config, LazyMomentumAdapter)
     return swap_optimizer(torch.optim.RMSprop(params, lr=1e-2, momentum=0.9), config)
@@ -151,3 +160,43 @@ def test_group_values_and_states_of_a_refused_first_step_are_as_before_with_no_b
     assert [{key: value for key, value in group.items() if key != "params"} for group in swapped.param_groups] == groups
     assert not any(swapped.state.get(param) for param in params)
     assert backend.memory_allocated() == allocated, "the failed step left device memory behind"
+
+
+@pytest.mark.parametrize("kind", ["lazy", "eager", "masters"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_with_undo_failed_steps_any_step_failing_part_way_is_undone_whole(
+    kind: str, packed: bool, failing: int, backend: DeviceBackend
+) -> None:
+    dtype = torch.bfloat16 if kind == "masters" else torch.float32
+    params, reference_params = _on(backend, _params(dtype)), _on(backend, _params(dtype))
+    swapped = _swapped(kind, params, backend, packed, undo=True)
+    reference = _plain(kind, _masters(reference_params) if kind == "masters" else reference_params)
+
+    def step_reference(step: int) -> None:
+        grads = _params_grads(reference_params, step)
+        for master, grad in zip(reference.param_groups[0]["params"], grads, strict=True):
+            master.grad = grad.float()
+        reference.step()
+
+    for step in range(2):
+        _set_grads(params, step)
+        swapped.step()
+        step_reference(step)
+    before = [param.detach().clone() for param in params]
+    saved = through_torch_save(swapped.state_dict())
+    _set_grads(params, 2)
+    with _FailingIn(swapped, failing), pytest.raises(OwnCodeFault) as raised:
+        swapped.step()
+    assert not getattr(raised.value, "__notes__", []), "an undone step needs no note"
+    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"{kind}: parameter {index} after the failed step")
+    assert_state_dicts_equal(saved, swapped.state_dict(), f"{kind}: state after the failed step")
+    for step in range(2, 5):
+        _set_grads(params, step)
+        swapped.step()
+        step_reference(step)
+    expected_params = [master.detach().to(dtype) for master in reference.param_groups[0]["params"]]
+    for index, (expected, actual) in enumerate(zip(expected_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"{kind}: parameter {index} 3 steps after the undone one")
+    assert not getattr(backend, "races", []), "the simulator reported races"

@@ -7,6 +7,7 @@ too; an acceptance must step bitwise as the plain optimizer.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.errors import HostMemoryError, UnsupportedOptimizerError
 from swap_core.sim import SimBackend
-from swap_core.testing.compare import assert_bitwise_equal
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_generic import GenericAdapter
 
 SHAPES = ((24, 40), (40,), (16, 20), (8, 8))
@@ -364,28 +365,29 @@ class RaisesOnLargeParameters(_PlainSGD):
         return super().step(closure)
 
 
+def _limit_params() -> list[torch.Tensor]:
+    """Parameters for :class:`RaisesOnLargeParameters`: the last, over its limit, is in the last of three batches."""
+    generator = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((8, 8), (16, 20), (48, 40))]
+
+
+def _limit_grads(params: list[torch.Tensor], step: int) -> None:
+    generator = torch.Generator().manual_seed(50 + step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
 @pytest.mark.parametrize("mode", ["lazy", "random"])
 def test_an_error_of_the_optimizers_own_code_in_a_later_batch_of_a_first_step_leaves_everything_as_before(
     mode: str,
 ) -> None:
-    shapes = ((8, 8), (16, 20), (48, 40))  # the last, over the limit, is in the last of three batches
-
-    def params() -> list[torch.Tensor]:
-        generator = torch.Generator().manual_seed(3)
-        return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
-
-    def set_grads(values: list[torch.Tensor], step: int) -> None:
-        generator = torch.Generator().manual_seed(50 + step)
-        for param in values:
-            param.grad = torch.randn(param.shape, generator=generator)
-
-    swapped_params, twin_params = params(), params()
+    swapped_params, twin_params = _limit_params(), _limit_params()
     swapped = swap_optimizer(
         RaisesOnLargeParameters(swapped_params),
         SwapConfig(backend=SimBackend(mode=mode, seed=2), swap_times=3, min_numel=16),
     )
     before = _snapshot(swapped.optimizer, swapped_params)
-    set_grads(swapped_params, 0)
+    _limit_grads(swapped_params, 0)
     with pytest.raises(ValueError, match="over the limit"):
         swapped.step()
     values, state, groups, _ = _snapshot(swapped.optimizer, swapped_params)
@@ -397,8 +399,42 @@ def test_an_error_of_the_optimizers_own_code_in_a_later_batch_of_a_first_step_le
     twin.limit = swapped.optimizer.limit = 10_000  # type: ignore[attr-defined]
     for step in range(3):
         for values, optimizer in ((swapped_params, swapped), (twin_params, twin)):
-            set_grads(values, step)
+            _limit_grads(values, step)
             optimizer.step()
     for index, (expected, actual) in enumerate(zip(twin_params, swapped_params, strict=True)):
         assert_bitwise_equal(expected, actual, f"parameter {index} 3 steps after the failed one")
     assert swapped.param_groups[0]["k"] == twin.param_groups[0]["k"] == 3
+
+
+@pytest.mark.parametrize("mode", ["lazy", "random"])
+def test_with_undo_failed_steps_an_error_of_the_optimizers_own_code_in_a_later_step_leaves_everything_as_before(
+    mode: str,
+) -> None:
+    swapped_params, twin_params = _limit_params(), _limit_params()
+    plain = RaisesOnLargeParameters(swapped_params)
+    config = SwapConfig(backend=SimBackend(mode=mode, seed=2), swap_times=3, min_numel=16, undo_failed_steps=True)
+    swapped = swap_optimizer(plain, config)
+    twin = RaisesOnLargeParameters(twin_params)
+    twin.limit = plain.limit = 10_000
+    for step in range(2):
+        for values, optimizer in ((swapped_params, swapped), (twin_params, twin)):
+            _limit_grads(values, step)
+            optimizer.step()
+    plain.limit = 1000  # the step of a later batch raises now
+    before = [param.detach().clone() for param in swapped_params]
+    checkpoint = copy.deepcopy(swapped.state_dict())
+    _limit_grads(swapped_params, 2)
+    with pytest.raises(ValueError, match="over the limit"):
+        swapped.step()
+    for index, (expected, actual) in enumerate(zip(before, swapped_params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the failed step")
+    assert_state_dicts_equal(checkpoint, swapped.state_dict(), "the state and group values after the failed step")
+    assert swapped.param_groups[0]["k"] == 2
+    plain.limit = 10_000
+    for step in range(2, 4):
+        for values, optimizer in ((swapped_params, swapped), (twin_params, twin)):
+            _limit_grads(values, step)
+            optimizer.step()
+    for index, (expected, actual) in enumerate(zip(twin_params, swapped_params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} 2 steps after the failed one")
+    assert_state_dicts_equal(twin.state_dict(), swapped.state_dict(), "2 steps after the failed one")

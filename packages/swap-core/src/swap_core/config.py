@@ -86,6 +86,12 @@ class SwapConfig:
     """``"exact"``: host buffers pinned at their size, to the page (CUDA registers them with the driver; elsewhere
     the caching path, with a warning); ``"caching"``: torch's pinned allocator, which rounds up to a power of two."""
 
+    undo_failed_steps: bool = False
+    """Keep, during every step, each batch's parameters and states as they were before its update (in pageable host
+    memory: the host waits for each batch's copy), so that a step that fails part-way is undone whole. Off, only a
+    step that creates every state it updates (a first step) is undone whole; any other failed step leaves each
+    parameter whole, its update and states or neither (docs/behaviour.md, "A step that fails")."""
+
     def __post_init__(self) -> None:
         _require_int("swap_times", self.swap_times, minimum=1)
         if self.max_batch_bytes is not None:
@@ -98,6 +104,7 @@ class SwapConfig:
         _require_bool("keep_staging", self.keep_staging)
         _require_bool("trace", self.trace)
         _require_bool("master_weights", self.master_weights)
+        _require_bool("undo_failed_steps", self.undo_failed_steps)
         _validate_backend(self.backend)
         if self.prefetch not in PREFETCH_MODES:
             raise ValueError(f"Invalid SwapConfig.prefetch: {self.prefetch!r}; expected one of {PREFETCH_MODES}")

@@ -178,7 +178,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._every_param_ready = False
         self._step_grads: list[torch.Tensor | None] = []
         self._journal: StepJournal | None = None
-        """The step's journal while a step that creates every state it updates runs (see ``_first_step_journal``)."""
+        """The running step's journal, when it keeps one (see ``_step_journal``)."""
         self._batches_updated = 0
         self._tracked = TrackedState()
         self._host_cache_emptied_at: tuple[int, int] | None = None
@@ -351,7 +351,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                     with_grad = self._collect_grads(ordered)
                     if self.adapter.lazy_states:
                         self._pack_fresh_states(ordered)  # those a failed step left unpacked
-                    self._journal = None if self._states_complete() else self._first_step_journal()
+                    self._journal = self._step_journal()
                     self._batches_updated = 0
                     if (self._master_weights or not self.adapter.lazy_states) and not self._states_complete():
                         # Lazy states with master weights: the masters, which the update runs on, come first.
@@ -493,25 +493,43 @@ class SwapOptimizer(torch.optim.Optimizer):
             for name in forwarded:
                 self.optimizer.__dict__.pop(name, None)
 
-    def _first_step_journal(self) -> StepJournal | None:
-        """A journal for a step that creates every state it updates (then a failed step can be undone whole), or
-        ``None`` when some parameter with a gradient already has its state (see :mod:`~swap_core.runtime.step_journal`).
-        """
+    def _step_journal(self) -> StepJournal | None:
+        """The journal of this step, or ``None``: kept for a step that creates every state it updates (then undoing
+        it costs a copy of its parameters only), and for every step with ``SwapConfig(undo_failed_steps=True)``
+        (see :mod:`~swap_core.runtime.step_journal`)."""
+        undo_every_step = self.config.undo_failed_steps
+        if not undo_every_step and self._states_complete():
+            return None  # the usual step: no per-parameter scan
         params = [param for _, param in self._params_with_grad()]
-        if not params or not all(is_fresh(self.state.get(param) or {}) for param in params):
+        created = [param for param in params if is_fresh(self.state.get(param) or {})]
+        if not params or (not undo_every_step and len(created) < len(params)):
             return None
         assert self.backend is not None
-        return StepJournal(self.backend, params)
+        return StepJournal(self.backend, created, keeps_states=undo_every_step)
 
     def _after_failed_step(self, error: BaseException, batches: int) -> None:
-        """A step raised: undo it whole where it created every state it updated, else say what it applied."""
+        """A step raised: undo it whole where its journal allows, else say what it applied."""
         journal = self._journal
         if journal is None:
             note_partial_step(error, self._batches_updated, batches)
             return
-        assert self._scheduler is not None
-        self._scheduler.synchronize()  # the copies of the states about to be dropped have landed
-        journal.restore()
+        assert self._scheduler is not None and self._store is not None and self.backend is not None
+        self._scheduler.synchronize()  # every copy of this step has landed: the mirrors may be written
+        journal.restore_params()
+        for param, saved in journal.saved_states:
+            entry = self.state[param]
+            slots = self._store.slots.get(param, _NO_ENTRY)
+            for key in [key for key in entry if key not in saved]:  # keys the failed update added
+                del entry[key]
+            for key, value in saved.items():
+                if not isinstance(value, torch.Tensor):
+                    entry[key] = value
+                elif key in slots:  # swapped: back into its host mirror
+                    entry[key] = slots[key].host_value
+                    with self.backend.host_scope():
+                        local_tensor(slots[key].host_value).copy_(value)
+                else:
+                    local_tensor(entry[key]).copy_(value)
         for param in journal.created:  # the states this step made go, as if it never ran
             if param in self.state:
                 del self.state[param]
@@ -535,7 +553,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if params:
                     group = self.param_groups[group_index]
                     if self._journal is not None:
-                        self._journal.record(params)
+                        self._journal.record(params, states)
                     if self._master_weights:  # the update runs on the fp32 masters, the params follow them
                         masters = on_masters(params, grads, states)
                         try:

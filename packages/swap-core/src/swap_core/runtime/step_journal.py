@@ -9,13 +9,17 @@ states as they were before the step:
   :class:`StepJournal` keeps them, one batch at a time right before its update, in pageable host memory
   (:meth:`~swap_core.backends.protocol.DeviceBackend.read_to_host`, ordered on the current stream: the host waits for
   it, once per batch of that one step), and the failed step puts them back: the optimizer is as before the step;
-- on any other step the states of the earlier batches were already overwritten in host memory, and keeping a copy
-  of every state would double the host memory swapping exists to use well: the step leaves each parameter whole
-  (its update and its states, or neither) and the exception says how many batches were applied
-  (:func:`note_partial_step`).
+- on any other step the states of the earlier batches were already overwritten in host memory. Keeping a copy of
+  every state costs host memory the size of the states and a host wait per batch, so it is kept only with
+  ``SwapConfig(undo_failed_steps=True)`` (then every failed step is undone whole, states put back into their host
+  mirrors); otherwise the step leaves each parameter whole (its update and its states, or neither) and the
+  exception says how many batches were applied (:func:`note_partial_step`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -26,25 +30,39 @@ __all__ = ["StepJournal", "note_partial_step"]
 
 
 class StepJournal:
-    """The parameters of one step's updated batches, as they were before it, and the parameters it made states for."""
+    """What one step's updated batches held before it: their parameters, and (``keeps_states``) the states of those
+    whose state existed when the step began; and the parameters it made states for."""
 
-    def __init__(self, backend: DeviceBackend, created: list[torch.Tensor]) -> None:
+    def __init__(self, backend: DeviceBackend, created: list[torch.Tensor], *, keeps_states: bool) -> None:
         self._backend = backend
         self.created = created
         """Parameters without a state when the step began: the states a failed step made for them are dropped."""
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._created_ids = set(map(id, created))
+        self._keeps_states = keeps_states
+        self._saved_params: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.saved_states: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        """``(parameter, its state before the update)``: tensors as host copies of their local values, other values
+        as they were."""
 
-    def record(self, params: list[torch.Tensor]) -> None:
-        """Keep ``params``' values; call right before an update writes them (on the stream the update runs on)."""
-        for param in params:
+    def record(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> None:
+        """Keep ``params``' values (and their states'); call right before an update writes them, on the stream the
+        update runs on, while each swapped state's entry is its device copy."""
+        read = self._backend.read_to_host
+        for param, state in zip(params, states, strict=True):
             local = local_tensor(param).detach()
-            self._saved.append((local, self._backend.read_to_host(local)))
+            self._saved_params.append((local, read(local)))
+            if self._keeps_states and id(param) not in self._created_ids:
+                saved = {
+                    key: read(local_tensor(value).detach()) if isinstance(value, torch.Tensor) else value
+                    for key, value in state.items()
+                }
+                self.saved_states.append((param, saved))
 
-    def restore(self) -> None:
+    def restore_params(self) -> None:
         """Put every recorded parameter back, the last recorded first."""
-        for local, saved in reversed(self._saved):
+        for local, saved in reversed(self._saved_params):
             local.copy_(saved)
-        self._saved.clear()
+        self._saved_params.clear()
 
 
 def note_partial_step(error: BaseException, applied: int, batches: int) -> None:
