@@ -928,3 +928,18 @@ def test_a_device_backend_is_taken_for_an_optimizer_without_parameters_yet(fake_
     assert select_backend("auto", []) is None, "auto follows parameters: with none, nothing is swapped yet"
     with pytest.raises(ValueError, match="does not own parameters on cpu"):
         select_backend(fake_backend, [torch.zeros(3)])
+
+
+def test_real_available_device_bytes_counts_free_memory_and_unused_cached_blocks(
+    real_backend: AcceleratorBackend,
+) -> None:
+    """What ``swap_times="auto"`` plans with: ``mem_get_info``'s free bytes plus what torch's allocator caches unused
+    (a freed block stays reserved, so the driver's free memory alone would under-count it)."""
+    before = real_backend.available_device_bytes()
+    assert before is not None and before > 0
+    block = torch.empty(64 << 20, dtype=torch.uint8, device=real_backend.device)
+    during = real_backend.available_device_bytes()
+    assert during is not None and during <= before - (64 << 20) + (2 << 20)
+    del block
+    after = real_backend.available_device_bytes()
+    assert after is not None and abs(after - before) <= 2 << 20, (before, during, after)

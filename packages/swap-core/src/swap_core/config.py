@@ -39,8 +39,15 @@ def _require_bool(name: str, value: object) -> None:
 class SwapConfig:
     """How optimizer states are swapped between pinned host memory and the device."""
 
-    swap_times: int = 16
-    """Number of consecutive batches the parameters are split into (more batches: less device memory)."""
+    swap_times: int | Literal["auto"] = 16
+    """Number of consecutive batches the parameters are split into (more batches: less device memory). ``"auto"``:
+    the fewest batches whose staging fits ``device_memory_fraction`` of the device memory available when the swap
+    is planned (re-planned when the states change); an out-of-memory while staging, before any batch updates,
+    re-plans with twice the batches and retries once."""
+
+    device_memory_fraction: float = 0.8
+    """With ``swap_times="auto"``: the share of the available device memory (free, and cached unused by torch's
+    allocator) that the staging may take; the rest is the margin for everything else the step allocates."""
 
     max_batch_bytes: int | None = None
     """Upper bound on swapped state bytes per batch; adds batches beyond ``swap_times`` when needed.
@@ -93,13 +100,15 @@ class SwapConfig:
     parameter whole, its update and states or neither (docs/behaviour.md, "A step that fails")."""
 
     def __post_init__(self) -> None:
-        _require_int("swap_times", self.swap_times, minimum=1)
+        if self.swap_times != "auto":
+            _require_int("swap_times", self.swap_times, minimum=1)
+        _validate_fraction("device_memory_fraction", self.device_memory_fraction, low_open=True)
         if self.max_batch_bytes is not None:
             _require_int("max_batch_bytes", self.max_batch_bytes, minimum=1)
         _require_bool("packed", self.packed)
         _require_int("min_numel", self.min_numel, minimum=0)
         object.__setattr__(self, "state_keys", _normalize_state_keys(self.state_keys))
-        _validate_fraction(self.offload_fraction)
+        _validate_fraction("offload_fraction", self.offload_fraction)
         _require_bool("duplex", self.duplex)
         _require_bool("keep_staging", self.keep_staging)
         _require_bool("trace", self.trace)
@@ -136,11 +145,12 @@ def _normalize_state_keys(state_keys: object) -> tuple[str, ...] | None:
     return keys
 
 
-def _validate_fraction(value: object) -> None:
+def _validate_fraction(name: str, value: object, *, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"SwapConfig.offload_fraction must be a float, got {value!r}")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"Invalid SwapConfig.offload_fraction: {value} (must be within [0, 1])")
+        raise TypeError(f"SwapConfig.{name} must be a float, got {value!r}")
+    if not (0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0):
+        interval = "(0, 1]" if low_open else "[0, 1]"
+        raise ValueError(f"Invalid SwapConfig.{name}: {value} (must be within {interval})")
 
 
 def _validate_backend(value: object) -> None:

@@ -7,17 +7,21 @@ for unsupported runtime states.
 
 from __future__ import annotations
 
+import torch
+
 __all__ = [
     "AdapterLoadError",
     "AdapterLoadWarning",
     "AdapterNotFoundError",
     "AdapterVersionError",
+    "DeviceMemoryError",
     "DuplicateAdapterError",
     "HostMemoryError",
     "PinnedMemoryWarning",
     "SimError",
     "SimInjectedFault",
     "SimMixedDeviceError",
+    "SimOutOfMemoryError",
     "SimPageableCopyError",
     "SimRaceError",
     "SimUseAfterFreeError",
@@ -64,6 +68,11 @@ class HostMemoryError(SwapError, MemoryError):
     """The host cannot hold the pinned memory the swapped states need; raised before anything is allocated."""
 
 
+class DeviceMemoryError(SwapError, MemoryError):
+    """The device cannot hold the staging the swapped states need, in any number of batches; raised before any
+    batch updates anything, naming the bytes needed, the bytes available and the settings that change them."""
+
+
 class SwapStateError(SwapError, RuntimeError):
     """The swap runtime was used in a state that does not allow the operation."""
 
@@ -90,6 +99,11 @@ class SimPageableCopyError(SimError):
 
 class PinnedMemoryWarning(UserWarning):
     """Pinned host memory could not be allocated; pageable memory makes host copies synchronous."""
+
+
+class SimOutOfMemoryError(torch.OutOfMemoryError):
+    """An allocation beyond ``SimBackend(device_memory=...)``: what a real device's allocator raises (a
+    ``torch.OutOfMemoryError``), with the bytes asked, allocated and the capacity."""
 
 
 class SimInjectedFault(SimError):

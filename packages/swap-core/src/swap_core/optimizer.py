@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import operator
@@ -43,9 +44,10 @@ from .master_weights import (
     stand_in,
     without_master,
 )
+from .runtime.auto_batches import AUTO_NEEDS_MEMORY, fewest_batches_that_fit
 from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.pipeline import PipelineScheduler, drain_in_flight_copies
-from .runtime.plan import PlannedBatch, SwapPlan, build_plan
+from .runtime.plan import Partition, PlannedBatch, SwapPlan, build_plan, staging_bytes
 from .runtime.slots import SwapSlot, layout_stride
 from .runtime.step_journal import StepJournal, note_partial_step
 from .runtime.store import StateSource, StateStore
@@ -160,6 +162,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             config.backend, self._ordered_params(), master_weights=config.master_weights
         )
         self._swap_keys()  # refuses unknown state_keys
+        if config.swap_times == "auto" and self.backend is not None and self.backend.available_device_bytes() is None:
+            raise ValueError(AUTO_NEEDS_MEMORY.format(backend=self.backend.name))
         self._master_weights = config.master_weights
         if self._master_weights:
             self._check_master_weights_supported(self._ordered_params())
@@ -177,6 +181,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._resident_bytes = 0
         self._every_param_ready = False
         self._step_grads: list[torch.Tensor | None] = []
+        self._auto_floor = 1
+        """``swap_times="auto"``: the fewest batches to consider (raised after an out-of-memory while staging)."""
+        self._auto_logged: tuple[int, int | None] | None = None
+        self._auto_tried: tuple[int, int] | None = None
+        """``swap_times="auto"``: the batches of the last plan it chose, and the most it could choose."""
+        self._auto_available: int | None = None
+        """``swap_times="auto"``: the device bytes available when the current plan was chosen."""
         self._journal: StepJournal | None = None
         """The running step's journal, when it keeps one (see ``_step_journal``)."""
         self._batches_updated = 0
@@ -346,47 +357,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             trace = StepTrace() if self.config.trace else None
             try:
                 with self._scheduler.working():  # reads of the state here wait for nothing
-                    ordered = self._ordered_params()
-                    self._follow_edits(ordered)
-                    with_grad = self._collect_grads(ordered)
-                    if self.adapter.lazy_states:
-                        self._pack_fresh_states(ordered)  # those a failed step left unpacked
-                    self._journal = self._step_journal()
-                    self._batches_updated = 0
-                    if (self._master_weights or not self.adapter.lazy_states) and not self._states_complete():
-                        # Lazy states with master weights: the masters, which the update runs on, come first.
-                        self._create_missing_states(self._params_with_grad())
-                    plan = self._current_plan()
-                    if self.adapter.lazy_states and not plan.all_states_exist:
-                        self._check_room_for_states_the_update_creates()
-                    # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
-                    self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
-                    skip = self._batches_without_gradients(plan, with_grad)
-                    # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
-                    entries_before = set(map(id, self.state)) if self._reverse_creates_states(plan) else None
                     try:
-                        with self.adapter.step_scope():
-                            if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
-                                self._scheduler.run(
-                                    plan,
-                                    self._update_batch,
-                                    stats,
-                                    keep_staging=self.config.keep_staging,
-                                    trace=trace,
-                                    skip=skip,
-                                )
-                    except BaseException as error:
-                        self._after_failed_step(error, len(plan.batches) + (plan.resident is not None))
-                        raise
-                    if entries_before is not None:
-                        self._tracked.move_to_end(
-                            param for param in ordered if id(param) not in entries_before and param in self.state
-                        )
-                    if self.adapter.lazy_states:
-                        self._pack_fresh_states(ordered)
-                    if self._backward_prefetch is not None:
-                        self._arm_backward_prefetch(after_step=True)
-                    self._empty_host_cache_after_relayout()
+                        plan = self._step_batches(stats, trace)
+                    except torch.OutOfMemoryError as error:
+                        if not self._more_batches_after(error):
+                            raise
+                        stats, trace = SwapStats(), StepTrace() if self.config.trace else None
+                        plan = self._step_batches(stats, trace)
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
                 self._journal = None
@@ -397,10 +374,78 @@ class SwapOptimizer(torch.optim.Optimizer):
         stats.host_pinned_bytes = self._store.host_pinned_bytes if self._store is not None else 0
         stats.peak_state_device_bytes = plan.peak_staging_bytes + self._resident_bytes
         stats.step_seconds = time.perf_counter() - started
+        stats.available_device_bytes = self._auto_available if self.config.swap_times == "auto" else None
         if modeled_start is not None:
             _set_modeled_seconds(stats, modeled_start, self._modeled_times())
         self.stats = stats
         return loss
+
+    def _step_batches(self, stats: SwapStats, trace: StepTrace | None) -> SwapPlan:
+        """One step's work on the batches (inside ``working()``): follow the user's edits, read the gradients, make
+        missing states, plan, run the pipeline; the plan it ran."""
+        assert self._scheduler is not None
+        ordered = self._ordered_params()
+        self._follow_edits(ordered)
+        with_grad = self._collect_grads(ordered)
+        if self.adapter.lazy_states:
+            self._pack_fresh_states(ordered)  # those a failed step left unpacked
+        self._journal = self._step_journal()
+        self._batches_updated = 0
+        plan: SwapPlan | None = None
+        try:
+            if (self._master_weights or not self.adapter.lazy_states) and not self._states_complete():
+                # Lazy states with master weights: the masters, which the update runs on, come first.
+                self._create_missing_states(self._params_with_grad())
+            plan = self._current_plan()
+            if self.adapter.lazy_states and not plan.all_states_exist:
+                self._check_room_for_states_the_update_creates()
+            # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
+            self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
+            skip = self._batches_without_gradients(plan, with_grad)
+            # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
+            entries_before = set(map(id, self.state)) if self._reverse_creates_states(plan) else None
+            with self.adapter.step_scope():
+                if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
+                    self._scheduler.run(
+                        plan,
+                        self._update_batch,
+                        stats,
+                        keep_staging=self.config.keep_staging,
+                        trace=trace,
+                        skip=skip,
+                    )
+        except BaseException as error:
+            self._after_failed_step(error, 0 if plan is None else len(plan.batches) + (plan.resident is not None))
+            raise
+        if entries_before is not None:
+            self._tracked.move_to_end(
+                param for param in ordered if id(param) not in entries_before and param in self.state
+            )
+        if self.adapter.lazy_states:
+            self._pack_fresh_states(ordered)
+        if self._backward_prefetch is not None:
+            self._arm_backward_prefetch(after_step=True)
+        self._empty_host_cache_after_relayout()
+        return plan
+
+    def _more_batches_after(self, error: torch.OutOfMemoryError) -> bool:
+        """With ``swap_times="auto"``, an out-of-memory before any batch updated anything (the staging did not fit):
+        plan twice the batches from now on and say so; ``True`` when the step may run again."""
+        tried = self._auto_tried
+        if self.config.swap_times != "auto" or self._batches_updated or tried is None:
+            return False
+        batches, most = tried
+        if batches >= most:
+            return False  # one parameter per batch already
+        self._auto_floor = min(2 * batches, most)
+        self._plan = None
+        warnings.warn(
+            f"swap_times='auto': the device ran out of memory staging {batches} batches ({error}); re-planned with "
+            f"{self._auto_floor} batches and running the step again. Nothing was updated before the retry",
+            ResourceWarning,
+            stacklevel=4,
+        )
+        return True
 
     def _empty_host_cache_after_relayout(self) -> None:
         """With ``host_memory="caching"``, host buffers a re-layout (or a load, or a reset) replaced stay pinned in
@@ -711,21 +756,63 @@ class SwapOptimizer(torch.optim.Optimizer):
             rank_independent = costs is not None
             if costs is None and self.adapter.lazy_states:
                 costs = self._costs_with_fresh_states([param for _, param in params])
-            self._plan = build_plan(
-                self._store,
-                self.backend,
-                params,
-                num_batches=self.config.swap_times,
+            swap_times = self.config.swap_times
+            partition = Partition(
+                num_batches=1 if swap_times == "auto" else swap_times,
                 max_batch_bytes=self.config.max_batch_bytes,
                 costs=costs,
                 state=self.state,
                 resident_first=not rank_independent,
                 reverse=self.config.prefetch == "backward",
-                walk_every_batch=rank_independent,
             )
+            if swap_times == "auto":
+                if rank_independent:
+                    raise UnsupportedOptimizerError(
+                        f"swap_times='auto' is not supported for {type(self.optimizer).__name__} across ranks: its "
+                        "ranks must run the same batches, and the free device memory each sees can differ. Set "
+                        "swap_times to a number"
+                    )
+                store, cut = self._store, partition
+                batches = self._auto_batches(
+                    lambda count: staging_bytes(store, params, dataclasses.replace(cut, num_batches=count)),
+                    len(params),
+                )
+                self._auto_tried = (batches, len(params))
+                partition = dataclasses.replace(partition, num_batches=batches)
+            self._plan = build_plan(self._store, self.backend, params, partition, walk_every_batch=rank_independent)
+            if self.config.swap_times == "auto":
+                self._log_auto_choice(self._plan)
             self._plan_key = key
             self._resident_bytes = self._store.resident_bytes(param for _, param in params)
         return self._plan
+
+    def _auto_batches(self, staging_of: Callable[[int], int], most: int) -> int:
+        """``swap_times="auto"``: the fewest batches whose staging fits the device memory available now (see
+        :mod:`~swap_core.runtime.auto_batches`)."""
+        assert self.backend is not None
+        available = self.backend.available_device_bytes()
+        if available is None:
+            raise ValueError(AUTO_NEEDS_MEMORY.format(backend=self.backend.name))
+        if self.config.keep_staging and self._plan is not None and self._plan.arenas is not None:
+            available += self._plan.arenas.total_bytes  # the arenas it keeps go when the new plan replaces it
+        self._auto_available = available
+        return fewest_batches_that_fit(
+            staging_of, available, self.config.device_memory_fraction, at_least=self._auto_floor, most=most
+        )
+
+    def _log_auto_choice(self, plan: SwapPlan) -> None:
+        """One log line per choice of ``swap_times="auto"``: batches, staging bytes, device memory available."""
+        choice = (len(plan.batches), self._auto_available)
+        if choice != self._auto_logged:
+            self._auto_logged = choice
+            _LOG.info(
+                "swap_times='auto': %d batches, staging %d bytes of the %s bytes of device memory available "
+                "(device_memory_fraction=%s)",
+                len(plan.batches),
+                plan.peak_staging_bytes,
+                self._auto_available,
+                self.config.device_memory_fraction,
+            )
 
     def _check_room_for_states_the_update_creates(self) -> None:
         """States the update is about to create (an adapter whose update makes them): refused before any batch

@@ -51,3 +51,7 @@ class SwapStats:
     modeled_transfer_seconds: float | None = None
     """On the virtual clock: from ``step()``'s entry until its last offload finished. ``None`` without a
     timing model."""
+
+    available_device_bytes: int | None = None
+    """With ``swap_times="auto"``: the device bytes available (free, and cached unused) when the batches were chosen;
+    ``None`` otherwise. ``batches`` and ``peak_state_device_bytes`` tell the choice."""

@@ -94,6 +94,8 @@ class _DeviceModule(Protocol):
 
     def memory_reserved(self, device: torch.device) -> int: ...
 
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]: ...
+
     def reset_peak_memory_stats(self, device: torch.device) -> None: ...
 
 
@@ -205,6 +207,16 @@ class AcceleratorBackend:
     def available_host_bytes(self) -> int | None:
         """This host's available memory (``MemAvailable`` on Linux)."""
         return available_host_bytes()
+
+    def available_device_bytes(self) -> int | None:
+        """The device's free memory (``mem_get_info``) and what torch's caching allocator holds unused; ``None``
+        where the device module cannot tell."""
+        mem_get_info = getattr(self._module, "mem_get_info", None)
+        if mem_get_info is None:
+            return None
+        free, _ = mem_get_info(self._device)
+        cached = self._module.memory_reserved(self._device) - self._module.memory_allocated(self._device)
+        return int(free) + max(int(cached), 0)
 
     def _record_pinned(self, buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
         """Note what ``buffer`` pins, and that its storage is pinned (for :meth:`copy`, without asking the driver)."""

@@ -31,10 +31,20 @@ class MetaBackend(SimBackend):
         timing: the link and device to model (``None``: bytes and copies only).
         host_bytes: the available host memory of the modeled machine; ``None`` (the default) checks
             nothing, since this machine's memory says nothing about the planned one's.
+        device_memory: the modeled device's capacity for staging and states on the device (``None``: unlimited).
     """
 
-    def __init__(self, timing: LinkModel | None = None, *, host_bytes: int | None = None) -> None:
-        super().__init__(mode="sync", check_races=False, poison=False, timing=timing, host_bytes=host_bytes)
+    def __init__(
+        self, timing: LinkModel | None = None, *, host_bytes: int | None = None, device_memory: int | None = None
+    ) -> None:
+        super().__init__(
+            mode="sync",
+            check_races=False,
+            poison=False,
+            timing=timing,
+            host_bytes=host_bytes,
+            device_memory=device_memory,
+        )
 
     def __repr__(self) -> str:
         return f"MetaBackend(timing={self.timing!r}, host_bytes={self.host_bytes!r})"

@@ -109,6 +109,11 @@ class DeviceBackend(Protocol):
         """Host bytes that can still be allocated, or ``None`` where it is unknown."""
         ...
 
+    def available_device_bytes(self) -> int | None:
+        """Device bytes a new allocation can take now (the device's free memory and the blocks torch's caching
+        allocator holds unused), or ``None`` where it is unknown."""
+        ...
+
     def release_storage(self, tensor: torch.Tensor, *, in_use_on: Stream | None = None) -> None:
         """Free the device storage behind ``tensor`` (the tensor object stays valid but empty).
 

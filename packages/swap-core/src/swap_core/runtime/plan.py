@@ -18,12 +18,20 @@ from ..backends.protocol import DeviceBackend
 from ..errors import SwapStateError
 from ..master_weights import is_fresh
 from .dtensor import wrap_local
-from .packed import PackedHost, StagingArenas, arena_bytes, split_at_middle
+from .packed import ARENA_ALIGN_BYTES, PackedHost, StagingArenas, align_up, arena_bytes, split_at_middle
 from .partition import partition_consecutive
 from .slots import SwapSlot
 from .store import StateStore
 
-__all__ = ["RESIDENT_BATCH_INDEX", "GradientPositions", "PlannedBatch", "SwapPlan", "build_plan"]
+__all__ = [
+    "RESIDENT_BATCH_INDEX",
+    "GradientPositions",
+    "Partition",
+    "PlannedBatch",
+    "SwapPlan",
+    "build_plan",
+    "staging_bytes",
+]
 
 GradientPositions = slice | list[int]
 """Where a segment's gradients lie among all gradients in parameter order: a slice, or (with gaps) the positions."""
@@ -91,48 +99,40 @@ class SwapPlan:
         return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
 
 
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """How the parameters are cut into batches (see :func:`build_plan`)."""
+
+    num_batches: int
+    max_batch_bytes: int | None
+    costs: Sequence[int] | None
+    """Per-parameter batching costs (an adapter's rank-independent ones), or ``None``: the swapped bytes."""
+    state: Mapping[torch.Tensor, dict[str, Any]]
+    """The optimizer's state mapping."""
+    resident_first: bool = False
+    reverse: bool = False
+
+
 def build_plan(
     store: StateStore,
     backend: DeviceBackend,
     params: Sequence[tuple[int, torch.Tensor]],
+    partition: Partition,
     *,
-    num_batches: int,
-    max_batch_bytes: int | None,
-    costs: Sequence[int] | None,
-    state: Mapping[torch.Tensor, dict[str, Any]],
-    resident_first: bool = False,
-    reverse: bool = False,
     walk_every_batch: bool = False,
 ) -> SwapPlan:
     """Partition ``params`` into batches, lay out their staging views (packed mode) and bind them to ``state``.
 
-    ``state`` is the optimizer's state mapping: each batch keeps the state dict of each of its parameters
-    (``None`` for one without state yet), so that a step looks nothing up by tensor.
+    ``partition.state`` is the optimizer's state mapping: each batch keeps the state dict of each of its
+    parameters (``None`` for one without state yet), so that a step looks nothing up by tensor.
 
-    ``resident_first``: parameters whose existing states all stay on the device go to the plan's ``resident``
-    batch instead (only when something is swapped). Not with an adapter's rank-independent costs: every rank
-    must then walk the same batches, and residency is decided per rank. ``reverse``: the batches are walked
-    from the last parameters to the first (the order in which a backward finalizes their gradients); the
-    split is the same. ``walk_every_batch``: see :attr:`SwapPlan.walk_every_batch`.
+    ``partition.resident_first``: parameters whose existing states all stay on the device go to the plan's
+    ``resident`` batch instead (only when something is swapped). Not with an adapter's rank-independent costs:
+    every rank must then walk the same batches, and residency is decided per rank. ``partition.reverse``: the
+    batches are walked from the last parameters to the first (the order in which a backward finalizes their
+    gradients); the split is the same. ``walk_every_batch``: see :attr:`SwapPlan.walk_every_batch`.
     """
-    slots_of = [list(store.slots.get(param, {}).values()) for _, param in params]
-    nbytes = [sum(slot.nbytes for slot in slots) for slots in slots_of]
-    if costs is None:
-        costs = nbytes
-        if sum(nbytes) == 0:
-            num_batches = 1  # nothing moves: one batch, no copies
-    elif len(costs) != len(params):
-        raise ValueError(f"Adapter returned {len(costs)} partition costs for {len(params)} parameters")
-    resident: set[int] = set()
-    if resident_first and sum(nbytes) > 0:
-        resident = {i for i, (_, param) in enumerate(params) if not slots_of[i] and not _is_fresh(state.get(param))}
-    swapped = [i for i in range(len(params)) if i not in resident]
-    # Adapter costs are rank-independent: every rank must walk the same batches even when it swaps nothing.
-    ranges = partition_consecutive([costs[i] for i in swapped], num_batches=num_batches, max_batch_cost=max_batch_bytes)
-    spans = [swapped[span.start : span.stop] for span in ranges]
-    if reverse:
-        spans.reverse()
-    batches = [_batch(index, positions, params, slots_of, nbytes) for index, positions in enumerate(spans)]
+    batches, spans, resident, slots_of, nbytes = _partitioned(store, params, partition)
     arenas = None
     if store.packed_host is not None and sum(nbytes) > 0:
         arenas = _stage(store.packed_host, backend, batches)
@@ -150,7 +150,7 @@ def build_plan(
     walked = [*([resident_batch] if resident_batch is not None else []), *batches]
     positions = [*([sorted(resident)] if resident else []), *spans]
     assert sum(map(len, positions)) == len(params), "the batches cover every parameter once"
-    all_states_exist = _bind_states(walked, positions, state)
+    all_states_exist = _bind_states(walked, positions, partition.state)
     return SwapPlan(
         batches=batches,
         arenas=arenas,
@@ -160,6 +160,55 @@ def build_plan(
         resident=resident_batch,
         walk_every_batch=walk_every_batch,
     )
+
+
+def staging_bytes(store: StateStore, params: Sequence[tuple[int, torch.Tensor]], partition: Partition) -> int:
+    """The :attr:`SwapPlan.peak_staging_bytes` that :func:`build_plan` would give, without allocating anything (how
+    ``swap_times="auto"`` compares batch counts)."""
+    batches, *_ = _partitioned(store, params, partition)
+    if store.packed_host is not None and sum(batch.nbytes for batch in batches) > 0:
+        return sum(align_up(size, ARENA_ALIGN_BYTES) for size in _arena_sizes(store.packed_host, batches))
+    sizes = [batch.nbytes for batch in batches]
+    return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+
+
+def _partitioned(
+    store: StateStore, params: Sequence[tuple[int, torch.Tensor]], partition: Partition
+) -> tuple[list[PlannedBatch], list[list[int]], set[int], list[list[SwapSlot]], list[int]]:
+    """The batches (not staged, not bound), their parameters' positions, the resident positions, and each
+    parameter's slots and swapped bytes."""
+    slots_of = [list(store.slots.get(param, {}).values()) for _, param in params]
+    nbytes = [sum(slot.nbytes for slot in slots) for slots in slots_of]
+    costs, num_batches, state = partition.costs, partition.num_batches, partition.state
+    if costs is None:
+        costs = nbytes
+        if sum(nbytes) == 0:
+            num_batches = 1  # nothing moves: one batch, no copies
+    elif len(costs) != len(params):
+        raise ValueError(f"Adapter returned {len(costs)} partition costs for {len(params)} parameters")
+    resident: set[int] = set()
+    if partition.resident_first and sum(nbytes) > 0:
+        resident = {i for i, (_, param) in enumerate(params) if not slots_of[i] and not _is_fresh(state.get(param))}
+    swapped = [i for i in range(len(params)) if i not in resident]
+    # Adapter costs are rank-independent: every rank must walk the same batches even when it swaps nothing.
+    ranges = partition_consecutive(
+        [costs[i] for i in swapped], num_batches=num_batches, max_batch_cost=partition.max_batch_bytes
+    )
+    spans = [swapped[span.start : span.stop] for span in ranges]
+    if partition.reverse:
+        spans.reverse()
+    batches = [_batch(index, positions, params, slots_of, nbytes) for index, positions in enumerate(spans)]
+    return batches, spans, resident, slots_of, nbytes
+
+
+def _arena_sizes(packed: PackedHost, batches: list[PlannedBatch]) -> list[int]:
+    """Arena ``j`` stages the batches of index parity ``j``: each is as large as the largest of those."""
+    sizes = [0] * min(2, len(batches))
+    for batch in batches:
+        ranges = packed.ranges(batch.slots)
+        region_bytes = {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in ranges.items()}
+        sizes[batch.arena_index] = max(sizes[batch.arena_index], arena_bytes(region_bytes))
+    return sizes
 
 
 def _batch(
@@ -227,11 +276,7 @@ def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatc
         {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in batch_ranges.items()}
         for batch_ranges in ranges
     ]
-    # Arena j stages the batches of index parity j: each is as large as the largest of those.
-    arena_sizes = [0] * min(2, len(batches))
-    for batch, sizes in zip(batches, region_bytes, strict=True):
-        arena_sizes[batch.arena_index] = max(arena_sizes[batch.arena_index], arena_bytes(sizes))
-    arenas = StagingArenas(backend, arena_sizes)
+    arenas = StagingArenas(backend, _arena_sizes(packed, batches))
     # An arena is reused (by batch i + 1, while batch i - 1 is copied out of it) only with more than two batches.
     reused = len(batches) > 2
     for batch, batch_ranges, sizes in zip(batches, ranges, region_bytes, strict=True):

@@ -11,6 +11,7 @@ checker reports unordered accesses when they are issued.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import threading
 import time
@@ -29,7 +30,7 @@ from swap_core.backends.host_memory import (
 )
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import spans_whole_storage
-from swap_core.errors import SimPageableCopyError, SimRaceError, SimUseAfterFreeError
+from swap_core.errors import SimOutOfMemoryError, SimPageableCopyError, SimRaceError, SimUseAfterFreeError
 from swap_core.torch_compat import storage_id
 
 from .caching_allocator import CachedBlock, CachingAllocator
@@ -102,6 +103,11 @@ class SimBackend:
             device's allocator does (:mod:`~swap_core.backends.sim.caching_allocator`);
             ``False``: every free gives the bytes back at once and :meth:`memory_reserved` equals
             :meth:`memory_allocated`.
+        device_memory: the device's capacity in bytes for what the backend allocates (staging, states on the
+            device; parameters, gradients and activations are the program's, not counted): an allocation beyond it
+            raises :class:`~swap_core.errors.SimOutOfMemoryError` (a ``torch.OutOfMemoryError``) after the cached
+            blocks are given back, as a real allocator does, and :meth:`available_device_bytes` tells what is left.
+            ``None``: unlimited, and unknown.
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class SimBackend:
         host_bytes: int | None = None,
         timing: LinkModel | None = None,
         caching_allocator: bool = True,
+        device_memory: int | None = None,
     ) -> None:
         if mode not in SIM_MODES:
             raise ValueError(f"Invalid simulator mode: {mode!r}; expected one of {SIM_MODES}")
@@ -134,6 +141,9 @@ class SimBackend:
         if host_bytes is not None and not is_count(host_bytes):
             raise ValueError(f"Invalid simulated host_bytes: {host_bytes!r}; expected an int >= 0 or None")
         self.host_bytes = host_bytes
+        if device_memory is not None and not is_count(device_memory):
+            raise ValueError(f"Invalid simulated device_memory: {device_memory!r}; expected an int >= 0 or None")
+        self.device_memory = device_memory
         self.on_race: OnRace = on_race
         self.copy_stats = CopyStats()
         """Copies and bytes per direction since construction or :meth:`reset_copy_stats`."""
@@ -215,6 +225,7 @@ class SimBackend:
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Poisoned device memory, written by the current stream: a copy stream filling it must wait for that."""
         self._tick()
+        self._check_capacity(math.prod(shape) * dtype.itemsize, "empty")
         with self._untracked():
             tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
             if self.poison:
@@ -454,6 +465,7 @@ class SimBackend:
                     f"restore_storage expects a storage released by release_storage; this one holds {held} bytes "
                     f"and the tensor needs {nbytes}"
                 )
+        self._check_capacity(nbytes, "restore_storage")
         key = storage_key(tensor)
         stream = self._stream_for_allocation()
         own = self._allocator.bound_block(key) if self._allocator is not None else None
@@ -486,6 +498,28 @@ class SimBackend:
                     poison_storage(tensor)
         self._registry.count(record, nbytes)
         self._note_reserved()
+
+    def available_device_bytes(self) -> int | None:
+        """``device_memory`` less the bytes allocated (cached blocks are given back before an allocation fails), or
+        ``None`` without a capacity."""
+        if self.device_memory is None:
+            return None
+        return max(self.device_memory - self._registry.allocated_bytes, 0)
+
+    def _check_capacity(self, nbytes: int, what: str) -> None:
+        """Refuse an allocation beyond ``device_memory``, as a real device does; give the cached blocks back first
+        when only they stand in the way."""
+        capacity = self.device_memory
+        if capacity is None:
+            return
+        allocated = self._registry.allocated_bytes
+        if allocated + nbytes > capacity:
+            raise SimOutOfMemoryError(
+                f"Simulated device out of memory in {what}: tried to allocate {nbytes} bytes with {allocated} of "
+                f"{capacity} bytes allocated (SimBackend(device_memory={capacity}))"
+            )
+        if self.memory_reserved() + nbytes > capacity:
+            self.empty_cache()
 
     def memory_allocated(self) -> int:
         """Device bytes from :meth:`empty` and :meth:`restore_storage` still alive."""

@@ -1,0 +1,163 @@
+"""``swap_times="auto"``: batches sized from the device memory available, on a simulator with a capacity."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.errors import DeviceMemoryError, SimOutOfMemoryError
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+
+pytestmark = pytest.mark.sim_only  # the capacity is the simulator's
+
+SHAPES = ((64, 64), (64, 64), (128, 32), (4096,), (32, 32), (64, 48), (96, 40), (2048,))
+MIB = 1 << 20
+
+
+def _params() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+
+
+def _set_grads(params: list[torch.Tensor], step: int) -> None:
+    generator = torch.Generator().manual_seed(7 + step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def _staging(stats_peak: int, stats_resident: int) -> int:
+    return stats_peak - stats_resident
+
+
+def test_the_simulated_device_refuses_an_allocation_beyond_its_capacity_after_giving_back_its_cache() -> None:
+    sim = SimBackend(device_memory=MIB)
+    assert sim.available_device_bytes() == MIB
+    first = sim.empty((MIB // 8,), torch.float32)  # half of it
+    assert sim.available_device_bytes() == MIB // 2
+    with pytest.raises(torch.OutOfMemoryError, match=r"tried to allocate 1048576 bytes with 524288 of 1048576"):
+        sim.empty((MIB // 4,), torch.float32)
+    del first  # back to the cache: reserved, but a new allocation may have it
+    assert sim.memory_reserved() == MIB // 2 and sim.available_device_bytes() == MIB
+    whole = sim.empty((MIB // 4,), torch.float32)
+    assert sim.memory_allocated() == MIB and sim.memory_reserved() == MIB, "the cache was given back first"
+    assert isinstance(SimOutOfMemoryError("x"), torch.OutOfMemoryError)
+    del whole
+    assert SimBackend().available_device_bytes() is None, "no capacity: unknown"
+
+
+def _pair(sim: SimBackend, **options: object) -> tuple[list[torch.Tensor], torch.optim.Optimizer, list[torch.Tensor]]:
+    reference_params, params = _params(), _params()
+    reference = torch.optim.AdamW(reference_params, lr=1e-2)
+    swapped = swap_optimizer(torch.optim.AdamW(params, lr=1e-2), SwapConfig(backend=sim, min_numel=64, **options))  # type: ignore[arg-type]
+    return reference_params, reference, params, swapped  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("capacity_kib", [96, 160, 400, 4096])
+def test_auto_takes_the_fewest_batches_that_fit_and_steps_bitwise(packed: bool, capacity_kib: int) -> None:
+    sim = SimBackend(mode="random", seed=1, device_memory=capacity_kib * 1024)
+    reference_params, reference, params, swapped = _pair(sim, swap_times="auto", packed=packed)
+    for step in range(4):
+        for values, optimizer in ((reference_params, reference), (params, swapped)):
+            _set_grads(values, step)
+            optimizer.step()
+    for index, (expected, actual) in enumerate(zip(reference_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+    assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after 4 steps")
+    stats = swapped.stats
+    budget = int(0.8 * stats.available_device_bytes)
+    staging = _staging(stats.peak_state_device_bytes, stats.resident_state_device_bytes)
+    assert staging <= budget, f"{stats.batches} batches stage {staging} bytes over the budget of {budget}"
+    assert sim.max_memory_reserved() <= sim.device_memory
+    if stats.batches > 1:  # one batch fewer would not fit
+        fewer = SimBackend(mode="sync", device_memory=sim.device_memory)
+        _, _, fewer_params, one_less = _pair(fewer, swap_times=stats.batches - 1, packed=packed)
+        for step in range(2):
+            _set_grads(fewer_params, step)
+            one_less.step()
+        assert _staging(one_less.stats.peak_state_device_bytes, one_less.stats.resident_state_device_bytes) > budget
+
+
+def test_the_choice_follows_the_states_and_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    sim = SimBackend(mode="lazy", device_memory=160 * 1024)
+    _, _, params, swapped = _pair(sim, swap_times="auto")
+    with caplog.at_level(logging.INFO, logger="swap_core"):
+        for step in range(3):
+            _set_grads(params, step)
+            swapped.step()
+    said = [record.getMessage() for record in caplog.records if "swap_times='auto'" in record.getMessage()]
+    assert len(said) == 1 and f"{swapped.stats.batches} batches" in said[0], said
+    before = swapped.stats.batches
+    extra = torch.nn.Parameter(torch.randn(128, 64))
+    swapped.add_param_group({"params": [extra]})
+    _set_grads([*params, extra], 3)
+    swapped.step()
+    assert swapped.stats.batches > before, "the states grew: the choice was made again, with more batches"
+
+
+class _ShrinksAfterTheFirstLook(SimBackend):
+    """A device whose free memory shrank right after the swap was first planned (another process took it)."""
+
+    looked = False
+
+    def available_device_bytes(self) -> int | None:
+        available = super().available_device_bytes()
+        if self.looked or available is None:
+            return available
+        self.looked = True
+        return 4 * available
+
+
+def test_an_out_of_memory_while_staging_replans_with_more_batches_once() -> None:
+    """Packed: the arenas are allocated before any batch updates (per tensor, a later batch's staging is allocated
+    after earlier ones updated: a failure there is a failed step, undone whole on a first step)."""
+    sim = _ShrinksAfterTheFirstLook(mode="lazy", device_memory=200 * 1024)
+    reference_params, reference, params, swapped = _pair(sim, swap_times="auto")
+    sim.looked = False  # wrapping looked too: the first plan is the one that sees the memory that went
+    for step in range(3):
+        for values, optimizer in ((reference_params, reference), (params, swapped)):
+            _set_grads(values, step)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer.step()
+            if optimizer is swapped and step == 0:
+                said = [str(warning.message) for warning in caught if issubclass(warning.category, ResourceWarning)]
+                assert said and "re-planned with" in said[0] and "Nothing was updated" in said[0], said
+    for index, (expected, actual) in enumerate(zip(reference_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the retried step")
+    assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after the retried step")
+
+
+def test_nothing_that_fits_is_refused_before_anything_changes() -> None:
+    sim = SimBackend(mode="lazy", device_memory=8 * 1024)
+    _, _, params, swapped = _pair(sim, swap_times="auto")
+    before = [param.detach().clone() for param in params]
+    _set_grads(params, 0)
+    with pytest.raises(DeviceMemoryError, match=r"even \d+ batches .* need \d+ bytes .* device_memory_fraction"):
+        swapped.step()
+    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+    assert not any(swapped.state.get(param) for param in params)
+
+
+def test_auto_needs_a_backend_that_reports_its_memory() -> None:
+    with pytest.raises(ValueError, match=r"SimBackend\(device_memory=...\)"):
+        swap_optimizer(torch.optim.AdamW(_params()), SwapConfig(backend=SimBackend(), swap_times="auto"))
+
+
+@pytest.mark.parametrize(
+    "options,error,words",
+    [
+        ({"swap_times": "Auto"}, TypeError, "SwapConfig.swap_times must be an int, got 'Auto'"),
+        ({"device_memory_fraction": 0.0}, ValueError, r"device_memory_fraction: 0.0 \(must be within \(0, 1\]\)"),
+        ({"device_memory_fraction": 1.5}, ValueError, "device_memory_fraction: 1.5"),
+    ],
+)
+def test_bad_auto_settings_name_the_value(options: dict[str, object], error: type[Exception], words: str) -> None:
+    with pytest.raises(error, match=words):
+        SwapConfig(**options)  # type: ignore[arg-type]
