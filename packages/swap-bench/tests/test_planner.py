@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from swap_bench.arguments import byte_size
 from swap_bench.cli import main
 from swap_bench.fake_world import fake_world
 from swap_bench.modeled import StepModel, model_step
 from swap_bench.models import MODELS, ModelShape, fsdp_shard_shape
-from swap_bench.planner import plan_model
+from swap_bench.planner import plan_model, recommend
 from swap_bench.report import SCHEMA
 from swap_bench.workloads import OPTIMIZERS, OptimizerSpec
 from swap_core.sim import LinkModel
@@ -253,3 +254,39 @@ def test_plan_command_models_one_rank_of_distributed_muon(tmp_path: Path, capsys
     with pytest.raises(SystemExit):
         main(["plan", "--model", "llama-1b", "--world", "2", "--rank", "2"])
     assert "--rank must be in [0, 2) for --world 2, got 2" in capsys.readouterr().err
+
+
+def test_the_planner_recommends_the_fewest_batches_whose_staging_fits_the_device_memory() -> None:
+    device_memory = 600 * 10**6
+    chosen, neighbours = recommend(MODELS["llama-1b"], "adamw", device_memory=device_memory, world=8, link="pcie5")
+    assert chosen.swap_times == "auto" and chosen.batches_label == f"{chosen.batches} (auto)"
+    budget = 0.8 * device_memory  # llama-1b keeps no state resident: the staging is the device peak
+    assert chosen.device_peak_state_bytes <= budget
+    fewer = plan_model(MODELS["llama-1b"], "adamw", world=8, link="pcie5", swap_times=chosen.batches - 1)
+    assert fewer.device_peak_state_bytes > budget, "one batch fewer would not fit: the choice is the fewest"
+    assert [row.batches for row in neighbours] == [chosen.batches + 1, 2 * chosen.batches]
+    assert all(row.device_peak_state_bytes < chosen.device_peak_state_bytes for row in neighbours)
+
+
+def test_plan_with_device_memory_prints_the_recommendation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama-1b", "--link", "pcie5", "--device-memory", "0.6GB", "--json", str(path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "recommended for llama-1b world=8 pcie5: swap_times=" in printed
+    rows = json.loads(path.read_text())["modeled_rows"]
+    assert rows[0]["swap_times"] == "auto" and rows[0]["device_memory"] == 600 * 10**6 and len(rows) == 3
+
+
+@pytest.mark.parametrize(
+    "text,size", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("512 MB", 512 * 10**6), ("4096", 4096)]
+)
+def test_sizes_take_decimal_and_binary_units(text: str, size: int) -> None:
+    assert byte_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["80XB", "big", "0GB"])
+def test_a_bad_device_memory_is_an_error_line(text: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-1b", "--device-memory", text])
+    assert exit_info.value.code == 2

@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["count", "output_file", "positive_count"]
+__all__ = ["byte_size", "count", "output_file", "positive_count"]
 
 
 def positive_count(text: str) -> int:
@@ -28,6 +28,36 @@ def count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return value
+
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def byte_size(text: str) -> int:
+    """A number of bytes >= 1, with an optional unit: ``80GB`` (10^9), ``80GiB`` (2^30), ``512MB``, ``4096``."""
+    stripped = text.strip().replace(" ", "").upper()
+    digits = stripped.rstrip("BKMGTI")
+    unit = stripped[len(digits) :] or "B"
+    try:
+        value = float(digits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a size such as 80GB, 80GiB or 512MB, got {text!r}") from None
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"unknown unit {unit!r} in {text!r}; use one of {', '.join(_UNITS)}")
+    size = int(value * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return size
 
 
 def output_file(text: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,7 +47,7 @@ class StepModel:
     optimizer: OptimizerSpec
     link: str
     """A :data:`~swap_core.sim.LINK_PRESETS` name."""
-    swap_times: int
+    swap_times: int | Literal["auto"]
     master_weights: bool = False
     ranks_per_node: int = 1
     """Ranks streaming through one host's memory as this one does (``LinkModel.ranks_sharing_host``): the rank's
@@ -61,6 +61,9 @@ class StepModel:
     fsdp2: bool = False
     """Step ``tensors`` as FSDP2 parameters (DTensors, ``Shard(0)``) on rank ``rank`` of a fake process group of
     ``world`` ranks, as distributed Muon needs; otherwise ``tensors`` are plain tensors, the rank's shards."""
+    device_memory: int | None = None
+    """Device bytes the swap may use (staging and resident states: what the model, its gradients and activations
+    leave); ``None``: unlimited. ``swap_times="auto"`` chooses the batches from it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +80,8 @@ class ModeledRow:
     link_model: dict[str, float | int | None]
     """The figures the row was modeled with: every field of the preset's ``LinkModel``, ``ranks_sharing_host`` =
     ``ranks_per_node``."""
-    swap_times: int
+    swap_times: int | str
+    """The ``swap_times`` asked (a number, or ``"auto"``: then ``batches`` is the choice)."""
     packed: bool
     duplex: bool
     master_weights: bool
@@ -112,6 +116,13 @@ class ModeledRow:
     and T_c + (S/B_down + S/B_up) / k where the update is (e.g. Muon's Newton-Schulz)."""
     link_utilization: float
     """Busy time of the busier link direction, at its bandwidth alone, over ``modeled_transfer_seconds``."""
+    device_memory: int | None = None
+    """The device bytes the swap could use (``StepModel.device_memory``), or ``None``: unlimited."""
+
+    @property
+    def batches_label(self) -> str:
+        """``swap_times`` as a table shows it: the number, or the number ``"auto"`` chose."""
+        return f"{self.batches} (auto)" if self.swap_times == "auto" else str(self.swap_times)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -128,7 +139,7 @@ def model_step(model: StepModel) -> ModeledRow:
             plain_state_bytes, update_seconds = _plain_optimizer(model, link)
         else:
             plain_state_bytes, update_seconds = _resident_optimizer(model, link, mesh)
-        backend = MetaBackend(link)
+        backend = MetaBackend(link, device_memory=model.device_memory)
         params = _meta_params(model.tensors, model.optimizer, mesh)
         swapped = _steady_swapped_step(model, backend, params, offload_fraction=1.0)
         held = sum(_local(param).numel() for param in params)
@@ -164,6 +175,7 @@ def model_step(model: StepModel) -> ModeledRow:
         modeled_transfer_seconds=stats.modeled_transfer_seconds,
         bound_seconds=_pipeline_bound(copy_in, update_seconds, copy_out, both_ways, batches),
         link_utilization=busiest / stats.modeled_transfer_seconds if stats.modeled_transfer_seconds > 0 else 0.0,
+        device_memory=model.device_memory,
     )
 
 

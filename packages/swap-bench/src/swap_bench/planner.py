@@ -23,22 +23,22 @@ import itertools
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
+from swap_core.errors import AdapterNotFoundError, DeviceMemoryError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import count, output_file, positive_count
+from .arguments import byte_size, count, output_file, positive_count
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
 from .report import SCHEMA, machine_facts, render_modeled_table, save_json
 from .workloads import OPTIMIZERS
 
-__all__ = ["PLAN_OPTIMIZERS", "markdown_table", "plan_combinations", "plan_main", "plan_model"]
+__all__ = ["PLAN_OPTIMIZERS", "markdown_table", "plan_combinations", "plan_main", "plan_model", "recommend"]
 
 PLAN_OPTIMIZERS = ("adamw", "rmsprop", "sgd", "adagrad", "nadam", "muon")
 """Optimizers the planner models (``muon``: its 2-D parameters, distributed Muon from ``world`` 2 on, which
@@ -51,13 +51,15 @@ def plan_model(
     *,
     world: int,
     link: str,
-    swap_times: int,
+    swap_times: int | Literal["auto"],
     master_weights: bool = False,
     rank: int = 0,
     ranks_per_node: int = 1,
+    device_memory: int | None = None,
 ) -> ModeledRow:
     """Model rank ``rank``'s step for ``model`` sharded over ``world`` ranks by FSDP2, ``ranks_per_node`` of them
-    sharing the host memory of the link preset ``link``.
+    sharing the host memory of the link preset ``link``; ``device_memory``: the device bytes the swap may use
+    (``swap_times="auto"`` chooses the batches from them, and a staging beyond them is an out-of-memory).
 
     Parameters are bf16 with ``master_weights`` (fp32 masters swapped with the states), fp32 otherwise.
     The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own;
@@ -90,8 +92,24 @@ def plan_model(
         # torch's choice on a CUDA device; on meta tensors it would pick the single-tensor kernels.
         optimizer_options={} if optimizer == "muon" else {"foreach": True},
         fsdp2=distributed,
+        device_memory=device_memory,
     )
     return model_step(step)
+
+
+def recommend(
+    model: ModelShape, optimizer: str, *, device_memory: int, **options: Any
+) -> tuple[ModeledRow, list[ModeledRow]]:
+    """The row of ``swap_times="auto"`` for ``device_memory`` (its ``batches`` the recommended count), and the rows
+    of the neighbouring counts that fit too (one more batch, twice the batches), for their modeled step times."""
+    chosen = plan_model(model, optimizer, swap_times="auto", device_memory=device_memory, **options)
+    neighbours = []
+    for batches in sorted({chosen.batches + 1, 2 * chosen.batches}):
+        try:
+            neighbours.append(plan_model(model, optimizer, swap_times=batches, device_memory=device_memory, **options))
+        except torch.OutOfMemoryError:
+            continue  # more batches than parameters leave one staging as large: not a choice
+    return chosen, neighbours
 
 
 def plan_combinations(
@@ -105,30 +123,35 @@ def plan_combinations(
     console: Console,
     rank: int = 0,
     ranks_per_node: Sequence[int] = (1,),
+    device_memory: int | None = None,
 ) -> tuple[list[ModeledRow], list[dict[str, str]]]:
-    """Every combination, with a progress bar; a combination that cannot be modeled is a skipped row."""
-    combinations = list(itertools.product(models, worlds, links, ranks_per_node, swap_times))
+    """Every combination, with a progress bar; a combination that cannot be modeled is a skipped row. With
+    ``device_memory``, each combination's recommended count and its neighbours (:func:`recommend`) instead of
+    ``swap_times``."""
+    counts: Sequence[int | None] = [None] if device_memory is not None else swap_times
+    combinations = list(itertools.product(models, worlds, links, ranks_per_node, counts))
     rows: list[ModeledRow] = []
     skipped: list[dict[str, str]] = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(combinations))
         for model, world, link, node_ranks, k in combinations:
-            label = f"{model.name} {optimizer} world={world} rank={rank} {link} ranks/node={node_ranks} k={k}"
+            label = f"{model.name} {optimizer} world={world} rank={rank} {link} ranks/node={node_ranks} k={k or 'auto'}"
             progress.update(task, description=label)
+            options: dict[str, Any] = {
+                "world": world,
+                "link": link,
+                "master_weights": master_weights,
+                "rank": rank,
+                "ranks_per_node": node_ranks,
+            }
             try:
-                rows.append(
-                    plan_model(
-                        model,
-                        optimizer,
-                        world=world,
-                        link=link,
-                        swap_times=k,
-                        master_weights=master_weights,
-                        rank=rank,
-                        ranks_per_node=node_ranks,
-                    )
-                )
-            except (AdapterNotFoundError, UnsupportedOptimizerError) as error:
+                if k is None:
+                    assert device_memory is not None
+                    chosen, neighbours = recommend(model, optimizer, device_memory=device_memory, **options)
+                    rows += [chosen, *neighbours]
+                else:
+                    rows.append(plan_model(model, optimizer, swap_times=k, **options))
+            except (AdapterNotFoundError, UnsupportedOptimizerError, DeviceMemoryError) as error:
                 skipped.append({"row": label, "reason": str(error).splitlines()[0]})
             progress.advance(task)
     return rows, skipped
@@ -166,6 +189,14 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         help="ranks sharing one host's memory bandwidth, each streaming its states as the modeled one (default 1)",
     )
     parser.add_argument("--swap-times", nargs="+", type=positive_count, default=[4], help="pipeline batches per step")
+    parser.add_argument(
+        "--device-memory",
+        type=byte_size,
+        default=None,
+        help="device memory the swap may use on each rank (what the model, gradients and activations leave), e.g. "
+        "20GB or 18GiB: recommends the fewest batches whose staging fits 80%% of it (swap_times='auto'), with the "
+        "modeled step of one more batch and of twice as many, instead of --swap-times",
+    )
     parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
     parser.add_argument(
         "--json", type=output_file, default="swap-bench-plan.json", help="where to write the JSON report"
@@ -193,10 +224,18 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         console=console,
         rank=args.rank,
         ranks_per_node=args.ranks_per_node,
+        device_memory=args.device_memory,
     )
     render_modeled_table(rows, console, title=f"swap-bench plan: rank {args.rank} of an FSDP2 shard, cold step")
     for row in skipped:
         console.print(f"[yellow]skipped[/] {row['row']}: {row['reason']}")
+    for chosen in rows:
+        if chosen.swap_times == "auto" and chosen.device_memory is not None:
+            console.print(
+                f"recommended for {chosen.name} world={chosen.world} {chosen.link}: swap_times={chosen.batches} "
+                f"(device peak {chosen.device_peak_state_bytes / 1e9:.2f} GB of {chosen.device_memory / 1e9:.2f} GB, "
+                f"modeled step {chosen.modeled_step_seconds:.3f} s)"
+            )
     document: dict[str, Any] = {
         "schema": SCHEMA,
         "kind": "plan",
@@ -225,7 +264,7 @@ def markdown_table(rows: Sequence[ModeledRow]) -> str:
     for row in rows:
         lines.append(
             f"| {row.name}{' + fp32 masters' if row.master_weights else ''} | {row.params / 1e9:.3f}B | {row.link} "
-            f"| {row.ranks_per_node} | {row.swap_times} | {row.plain_state_device_bytes / 1e9:.2f} "
+            f"| {row.ranks_per_node} | {row.batches_label} | {row.plain_state_device_bytes / 1e9:.2f} "
             f"| {row.device_peak_state_bytes / 1e9:.2f} | {row.host_state_bytes / 1e9:.2f} | {row.copies} "
             f"| {row.update_seconds * 1e3:.1f} "
             f"| {row.modeled_step_seconds:.3f} | {row.modeled_transfer_seconds:.3f} | {row.bound_seconds:.3f} "

@@ -174,7 +174,7 @@ def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title:
             str(row.world),
             row.link,
             str(row.ranks_per_node),
-            str(row.swap_times) + ("" if row.packed else " per-tensor") + ("" if row.duplex else " 1-stream"),
+            row.batches_label + ("" if row.packed else " per-tensor") + ("" if row.duplex else " 1-stream"),
             f"{row.params / 1e9:.3f}B" if row.params >= 10**8 else f"{row.params:,}",
             f"{row.plain_state_device_bytes / 1e9:.2f}",
             f"{row.device_peak_state_bytes / 1e9:.2f}",
