@@ -11,7 +11,7 @@ with the distributions that were installed. It checks that
   family swaps two steps on the simulator bitwise equal to the plain optimizer;
 - an optimizer of a family that is not installed is swapped by swap-generic when that is installed
   (bitwise too), and otherwise raises ``AdapterNotFoundError`` naming the package to install
-  (``pip install swap-adam``), before anything changes;
+  (``pip install --find-links dist swap-core swap-adam``), before anything changes;
 - swap-core requires torch only; swap-ckpt imports only when installed; the ``swap-bench`` script exists
   only when swap-bench is installed, and then runs a quick benchmark on the simulator whose JSON report
   holds a measured row (swap-core's RMSprop) and, without swap-adam, a skipped AdamW row naming it.
@@ -117,7 +117,7 @@ def _check_family(installed: list[str], name: str, optimizer_name: str, options:
         try:
             swap_optimizer(optimizer_cls(params, lr=1e-2, **options), SwapConfig(backend="sim"))
         except AdapterNotFoundError as error:
-            if f"pip install {name}" not in str(error):
+            if f"--find-links dist swap-core {name}" not in str(error):
                 problems.append(f"{optimizer_name} without {name}: the error does not name it: {error}")
         else:
             problems.append(f"{optimizer_name} was swapped although neither {name} nor {GENERIC} is installed")

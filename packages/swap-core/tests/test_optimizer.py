@@ -95,7 +95,7 @@ def test_optimizer_without_adapter_says_how_to_add_one() -> None:
     # Which family packages are installed varies (swap-generic serves Adagrad): resolve without any plugin.
     registry = AdapterRegistry(entry_points=list)
     registry.register(torch.optim.RMSprop, RMSpropAdapter, name="rmsprop")
-    pattern = r"No swap adapter is registered for torch\.optim\.adagrad\.Adagrad.*pip install swap-generic"
+    pattern = r"No swap adapter is registered for torch\.optim\.adagrad\.Adagrad.*--find-links dist swap-core swap-gen"
     with pytest.raises(AdapterNotFoundError, match=pattern):
         registry.resolve(torch.optim.Adagrad(make_params()))
 
@@ -589,3 +589,14 @@ def test_a_read_only_state_property_is_refused_clearly_before_anything_changes()
     ):
         swap_optimizer(plain, SwapConfig(backend=SimBackend()))
     assert isinstance(plain.state, dict) and not plain.state
+
+
+def test_cpu_parameters_with_the_auto_backend_say_that_nothing_is_swapped() -> None:
+    params = [torch.nn.Parameter(torch.randn(64, 64))]
+    with pytest.warns(UserWarning, match=r"on the CPU, so nothing is swapped.*SwapConfig\(backend='sim'\)"):
+        swapped = swap_optimizer(torch.optim.SGD(params, lr=0.1))
+    assert swapped.backend is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swap_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.randn(64, 64))], lr=0.1), backend="sim")
+        swap_optimizer(torch.optim.SGD([{"params": []}], lr=0.1))  # no parameter yet: nothing to say

@@ -331,13 +331,13 @@ def test_not_found_names_the_package_and_registered_adapters() -> None:
     message = str(caught.value)
     assert "No swap adapter is registered for torch.optim.adamw.AdamW" in message
     assert "Registered adapters: 'sgd' -> torch.optim.sgd.SGD." in message
-    assert "pip install swap-adam" in message
+    assert "--find-links dist swap-core swap-adam" in message
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in this torch")
 def test_not_found_for_muon_names_swap_muon() -> None:
     registry = AdapterRegistry(entry_points=list)
-    with pytest.raises(AdapterNotFoundError, match=r"Registered adapters: none\. .*pip install swap-muon"):
+    with pytest.raises(AdapterNotFoundError, match=r"Registered adapters: none\. .*dist swap-core swap-muon"):
         registry.resolve(torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)]))
 
 
@@ -347,6 +347,6 @@ def test_not_found_for_an_optimizer_without_a_family_names_swap_generic() -> Non
         registry.resolve(torch.optim.SGD(_params(), lr=0.1))
     message = str(caught.value)
     assert "Install swap-generic, which swaps any per-parameter optimizer" in message
-    assert "pip install swap-generic" in message
+    assert "--find-links dist swap-core swap-generic" in message
     assert "swap_core.register_adapter(SGD, factory, name=...)" in message
     assert "SwapOptimizer(opt, config, adapter_factory)" in message

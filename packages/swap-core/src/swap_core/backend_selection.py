@@ -5,6 +5,7 @@ This is policy, so it lives above ``backends/``: nothing below imports it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -44,6 +45,15 @@ def select_backend(
         if device.type != "cpu":
             return _accelerator(device.type, device.index)
         if not master_weights:
+            if devices:
+                warnings.warn(
+                    "The parameters are on the CPU, so nothing is swapped: backend='auto' swaps the states of "
+                    "accelerator parameters, and the optimizer steps here as it would unwrapped (opt.stats stays "
+                    "at zero). To try swapping without an accelerator, use SwapConfig(backend='sim'), the simulated "
+                    "accelerator",
+                    UserWarning,
+                    stacklevel=4,
+                )
             return None
         from .backends.cpu import CpuBackend
 

@@ -250,10 +250,19 @@ def _how_to_get_adapter(optimizer_cls: type[torch.optim.Optimizer]) -> str:
     for torch_name, package in _FAMILY_PACKAGES:
         family = getattr(torch.optim, torch_name, None)
         if isinstance(family, type) and issubclass(optimizer_cls, family):
-            return f"Install the adapter package for this family: pip install {package}. Or: {explicit}"
+            return f"Install the adapter package for this family: {_install(package)}. Or: {explicit}"
     return (
         f"Install {GENERIC_PACKAGE}, which swaps any per-parameter optimizer by running its own step batch by "
-        f"batch: pip install {GENERIC_PACKAGE}. Or: {explicit}"
+        f"batch: {_install(GENERIC_PACKAGE)}. Or: {explicit}"
+    )
+
+
+def _install(package: str) -> str:
+    """How to install ``package`` today (not on PyPI yet: from the repository or the built wheels)."""
+    return (
+        f"python3 -m pip install ./packages/swap-core ./packages/{package} from a clone of the repository, or "
+        f"python3 -m pip install --find-links dist swap-core {package} from its built wheels (docs/index.md, "
+        "'Install')"
     )
 
 
