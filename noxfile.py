@@ -1,7 +1,8 @@
 """The one task runner of the swap monorepo.
 
-``nox`` runs lint, typecheck, tests (one session per package), integration, docs, build (wheels and
-sdists, checked) and install_matrix (fresh environments installing subsets of the built wheels).
+``nox`` runs lint, typecheck, tests (one session per package), integration, docs, docs_snippets (every Python
+snippet of README.md and docs/), build (wheels and sdists, checked) and install_matrix (fresh environments
+installing subsets of the built wheels).
 ``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py), ``nox -s
 demo_bf16`` the same GPT in bf16 with and without master weights (examples/train_gpt_bf16.py);
 ``nox -s thirdparty`` checks swap-generic over third-party optimizers, ``nox -s integrations`` the
@@ -53,7 +54,7 @@ CORE_PACKAGE = "swap-core"
 LINT_TARGETS = ("packages", "integration-tests", "examples", "tools", "noxfile.py", "conftest.py")
 
 nox.needs_version = ">=2024.3.2"  # nox.options.reuse_venv, CommandFailed.return_code
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "docs", "build", "install_matrix"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "docs", "docs_snippets", "build", "install_matrix"]
 nox.options.reuse_venv = "yes"  # local speed; CI runs a clean clone, so its sessions start fresh
 
 
@@ -211,6 +212,38 @@ def integration(session: nox.Session) -> None:
             raise
         # Exit 5 with test modules present means the arguments deselected every test.
         session.log(f"pytest collected no integration tests with arguments {session.posargs!r}; nothing ran.")
+
+
+DOCS_SNIPPET_TOOLS = ("pytest-markdown-docs==0.9.2",)
+
+
+@nox.session
+def docs_snippets(session: nox.Session) -> None:
+    """Run every Python snippet of README.md and docs/ (pytest-markdown-docs), from a scratch folder so that files
+    a snippet writes stay out of the checkout. A snippet fenced ``{.python notest}`` is not run: it needs a
+    torchrun launch or a framework ``nox -s integrations`` installs. The names snippets take as given (``model``,
+    ``params``, ``loader``...) come from the root conftest.py."""
+    install_workspace(session, *TEST_TOOLS, *DOCS_SNIPPET_TOOLS)
+    scratch = Path(session.create_tmp()) / "snippets"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    session.chdir(scratch)
+    session.run(
+        "pytest",
+        "--rootdir",
+        str(ROOT),
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "-p",
+        "no:cacheprovider",
+        "--markdown-docs",
+        "--markdown-docs-syntax=superfences",
+        "-m",
+        "markdown-docs",
+        str(ROOT / "README.md"),
+        str(ROOT / "docs"),
+        *session.posargs,
+    )
 
 
 @nox.session
