@@ -219,10 +219,11 @@ DOCS_SNIPPET_TOOLS = ("pytest-markdown-docs==0.9.2",)
 
 @nox.session
 def docs_snippets(session: nox.Session) -> None:
-    """Run every Python snippet of README.md and docs/ (pytest-markdown-docs), from a scratch folder so that files
-    a snippet writes stay out of the checkout. A snippet fenced ``{.python notest}`` is not run: it needs a
-    torchrun launch or a framework ``nox -s integrations`` installs. The names snippets take as given (``model``,
-    ``params``, ``loader``...) come from the root conftest.py."""
+    """Every Python snippet of README.md and docs/, run by pytest-markdown-docs.
+
+    From a scratch folder, so that files a snippet writes stay out of the checkout. A snippet fenced
+    ``{.python notest}`` is not run: it needs a torchrun launch or a framework ``nox -s integrations`` installs.
+    The names snippets take as given (``model``, ``params``, ``loader``...) come from the root conftest.py."""
     install_workspace(session, *TEST_TOOLS, *DOCS_SNIPPET_TOOLS)
     scratch = Path(session.create_tmp()) / "snippets"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -248,8 +249,9 @@ def docs_snippets(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Check that every public name has a docstring, then build the mkdocs site with --strict (broken links,
-    pages missing from nav, and API reference pages that cannot be generated fail)."""
+    """Every public name documented, and the mkdocs site built with --strict.
+
+    Broken links, pages missing from nav, and API reference pages that cannot be generated fail."""
     session.install(*DOCS_TOOLS)
     session.run("python", "tools/check_api_docs.py")
     site_dir = Path(session.create_tmp()) / "site"
@@ -269,8 +271,10 @@ def build_distributions(session: nox.Session, *, wheel_only: bool = False) -> li
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Wheel and sdist of every package into dist/, ``twine check --strict``, and tools/check_release.py
-    (versions match the CHANGELOGs, wheel requirements match the imports, sibling pins admit the siblings)."""
+    """Wheels and sdists of every package into dist/, checked by twine and tools/check_release.py.
+
+    ``twine check --strict``; check_release: versions match the CHANGELOGs, wheel requirements match the imports,
+    sibling pins admit the siblings."""
     build_distributions(session)
     session.run("twine", "check", "--strict", *sorted(str(path) for path in DIST_DIR.iterdir()))
     session.run("python", "tools/check_release.py", str(DIST_DIR), "--build-backend", BUILD_BACKEND)
@@ -309,9 +313,10 @@ THIRD_PARTY_OPTIMIZERS = ("bitsandbytes", "lion-pytorch", "schedulefree", "torch
 
 @nox.session
 def thirdparty(session: nox.Session) -> None:
-    """swap-generic over bitsandbytes, lion-pytorch, schedule-free, torchao and transformers optimizers (not in
-    plain ``nox``: it downloads them). Installed under a constraint holding the pinned torch; a test whose
-    package is absent is skipped with the reason."""
+    """swap-generic over third-party optimizers (downloads them: not in plain nox).
+
+    bitsandbytes, lion-pytorch, schedule-free, torchao and transformers, installed under a constraint holding the
+    pinned torch; a test whose package is absent is skipped with the reason."""
     install_workspace(session, *TEST_TOOLS)
     install_with_pinned_torch(session, *THIRD_PARTY_OPTIMIZERS)
     session.run("pytest", "packages/swap-generic/tests/test_generic_thirdparty.py", "-rs", *session.posargs)
@@ -330,9 +335,10 @@ TRAINING_FRAMEWORKS = (
 
 @nox.session
 def integrations(session: nox.Session) -> None:
-    """The recipes of docs/integrations.md (examples/integrations/) under Hugging Face Trainer, Lightning,
-    torchtune and torchtitan (not in plain ``nox``: it downloads them). A recipe whose framework is absent is
-    skipped with the reason."""
+    """The training-framework recipes of docs/integrations.md (downloads them: not in plain nox).
+
+    examples/integrations/ under Hugging Face Trainer, Lightning, torchtune and torchtitan; a recipe whose
+    framework is absent is skipped with the reason."""
     install_workspace(session, *TEST_TOOLS)
     install_with_pinned_torch(session, *TRAINING_FRAMEWORKS)
     session.run("pytest", str(RECIPES_DIR.relative_to(ROOT)), "-rs", *session.posargs)
@@ -350,8 +356,10 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def demo_bf16(session: nox.Session) -> None:
-    """The GPT in bf16 three ways (plain AdamW, fp32 masters, swapped with master_weights=True): the swapped run
-    must be bitwise the fp32-master one; arguments go to examples/train_gpt_bf16.py (``-- --quick``: 20 steps)."""
+    """The GPT in bf16: plain AdamW, fp32 masters, and swapped with master_weights=True.
+
+    The swapped run must be bitwise the fp32-master one; arguments go to examples/train_gpt_bf16.py
+    (``-- --quick``: 20 steps)."""
     install_workspace(session, *PLOT_TOOLS)
     session.run("python", "examples/train_gpt_bf16.py", *session.posargs)
 

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map_only
 
 import swap_ckpt
 from swap_core import SwapConfig, swap_optimizer
-from swap_core.testing.distributed import initialized_process_group
+from swap_core.distributed import initialized_process_group
 
 VOCAB, WIDTH, HEADS, CONTEXT, BATCH_SIZE = 32, 16, 2, 8, 4
 STEPS_BEFORE_SAVE, STEPS_AFTER_SAVE = 5, 5
