@@ -251,11 +251,13 @@ def docs_snippets(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Every public name documented, and the mkdocs site built with --strict.
 
-    Broken links, pages missing from nav, and API reference pages that cannot be generated fail."""
+    Broken links, pages missing from nav, API reference pages that cannot be generated, and a Sphinx role shown
+    as text (tools/check_built_docs.py) fail."""
     session.install(*DOCS_TOOLS)
     session.run("python", "tools/check_api_docs.py")
     site_dir = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site_dir), env={"NO_MKDOCS_2_WARNING": "1"})
+    session.run("python", "tools/check_built_docs.py", str(site_dir))
 
 
 def build_distributions(session: nox.Session, *, wheel_only: bool = False) -> list[Path]:
