@@ -10,7 +10,8 @@ The two loss curves must be bitwise identical: the script exits with status 1 if
 Without an accelerator the swapped run uses swap's simulated accelerator in ``sync`` mode with
 its checks off (fast); ``--checked`` turns on its race checker and NaN poison instead. With an
 accelerator (``torch.accelerator.is_available()``) the model moves there and the backend is
-``"auto"``. It writes three PNG plots and ``summary.json`` to ``--out`` (default ``out/demo``):
+``"auto"``. It writes three PNG plots and ``summary.json`` to ``--out`` (default ``out/demo``;
+``out/demo-quick`` with ``--quick``):
 
 - ``loss_curves.png``: the loss of both runs, overlaid;
 - ``state_memory.png``: device bytes of optimizer state per step: plain AdamW (all of it) vs
@@ -475,7 +476,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 150)")
     parser.add_argument("--quick", action="store_true", help="20 steps: a smoke run")
-    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="folder for the plots and summary.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the plots and summary.json (default: out/demo, or "
+        "out/demo-quick with --quick, so that a smoke run leaves the full run's plots alone)",
+    )
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -498,6 +505,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 20 if args.quick else 150
+    if args.out is None:
+        args.out = Path("out/demo-quick" if args.quick else "out/demo")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.backend is None:

@@ -10,7 +10,7 @@ The same bf16 model (same initial weights) sees the same batches three times:
    during ``step()``.
 
 Run 3 must be bitwise run 2 (every loss, every final parameter and master): the script exits with
-status 1 if it is not. It writes to ``--out`` (default ``out/demo-bf16``):
+status 1 if it is not. It writes to ``--out`` (default ``out/demo-bf16``; ``out/demo-bf16-quick`` with ``--quick``):
 
 - ``bf16_loss_curves.png``: the three loss curves (2 and 3 overlaid; 1 shows what bf16 moments cost);
 - ``bf16_device_memory.png``: device bytes of parameters, gradients and optimizer state, between
@@ -209,13 +209,21 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 150)")
     parser.add_argument("--quick", action="store_true", help="20 steps: a smoke run")
-    parser.add_argument("--out", type=Path, default=Path("out/demo-bf16"), help="folder for plots and summary.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for plots and summary.json (default: out/demo-bf16, or "
+        "out/demo-bf16-quick with --quick, so that a smoke run leaves the full run's plots alone)",
+    )
     parser.add_argument("--checked", action="store_true", help="simulator with race checks, poison, random order")
     parser.add_argument("--swap-times", type=int, default=4, help="batches per swapped step (default: 4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 20 if args.quick else 150
+    if args.out is None:
+        args.out = Path("out/demo-bf16-quick" if args.quick else "out/demo-bf16")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     return args

@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["byte_size", "count", "output_file", "positive_count"]
+__all__ = ["HelpFormatter", "byte_size", "count", "output_file", "positive_count"]
 
 
 def positive_count(text: str) -> int:
@@ -28,6 +28,16 @@ def count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default after its help (where it has one: not for a switch, nor where the help says it), and
+    descriptions kept as written (their own line breaks)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
 
 
 _UNITS = {

@@ -17,7 +17,7 @@ from swap_core.config import BACKEND_NAMES
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import count, output_file, positive_count
+from .arguments import HelpFormatter, count, output_file, positive_count
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
@@ -133,6 +133,20 @@ def _run_comparison(
         report.comparisons.append(result)
 
 
+SMOKE_RUN = (
+    "[bold yellow]--quick: a smoke run[/] (tiny workloads, one timed step): it checks that every row runs, and its "
+    "timings are not results (a ratio above or below 1, a negative time per batch, are noise here). Run without "
+    "--quick for the figures."
+)
+"""Said after a ``--quick`` run's table."""
+
+COMMANDS = """commands:
+  swap-bench [options]            measure swapped against plain steps on this machine (below)
+  swap-bench plan [options]       model one rank of a real model (llama-70b...) on a link: bytes exact, time modeled
+  swap-bench narrowing [options]  the host time of swap-generic's narrowed step per batch
+each takes --help"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report.
 
@@ -146,19 +160,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return narrowing_main(arguments[1:])
     parser = argparse.ArgumentParser(
         prog="swap-bench",
-        description=__doc__,
-        epilog="swap-bench plan --help: the planner for real model sizes; swap-bench narrowing --help: the host "
-        "time of swap-generic's narrowed step",
+        formatter_class=HelpFormatter,
+        description=COMMANDS
+        + "\n\nswap-bench (measure): each workload's step with the optimizer plain and swapped, alternately in one\n"
+        "run, their ratio, the raw pinned-copy bandwidth, and the same rows modeled on a link (virtual clock).",
     )
-    parser.add_argument("--quick", action="store_true", help="tiny workloads, one repeat: a smoke run for CI")
-    parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
-    parser.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=sorted(OPTIMIZERS))
-    parser.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny workloads, one repeat: a smoke run for CI (its timings are not results)",
+    )
+    parser.add_argument(
+        "--backend", default="auto", choices=BACKEND_NAMES, help="the device (auto: an accelerator, else the simulator)"
+    )
+    parser.add_argument(
+        "--optimizers", nargs="+", default=["adamw", "muon"], choices=sorted(OPTIMIZERS), help="optimizers measured"
+    )
+    parser.add_argument(
+        "--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS), help="parameter sets"
+    )
     parser.add_argument(
         "--threads", type=positive_count, default=1, help="torch CPU threads (the simulator's 'device')"
     )
-    parser.add_argument("--warmup", type=count, default=None, help="steps before timing (default 2; --quick: 1)")
-    parser.add_argument("--repeats", type=positive_count, default=None, help="timed steps (default 9; --quick: 1)")
+    parser.add_argument(
+        "--warmup", type=count, default=None, help="steps before timing (default: 2, or 1 with --quick)"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_count, default=None, help="timed steps (default: 9, or 1 with --quick)"
+    )
     parser.add_argument("--json", type=output_file, default="swap-bench.json", help="where to write the JSON report")
     parser.add_argument(
         "--compare",
@@ -195,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, left_out = plan_rows(workloads, args.optimizers, quick=args.quick, on_cpu=backend_name == "sim")
     baselines = args.compare if "adamw" in args.optimizers else []
     comparisons, comparisons_left_out = plan_comparisons(workloads, baselines, backend_name=backend_name)
-    console = Console(width=None if Console().is_terminal else 160)
+    console = Console(width=None if Console().is_terminal else 240)
     report = run_bench(
         rows,
         factory,
@@ -212,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     report.skipped[:0] = [*left_out, *comparisons_left_out]
     render_table(report, console)
+    if args.quick:
+        console.print(SMOKE_RUN)
     console.print(f"JSON report: {report.save(args.json)}")
     return 0
 

@@ -32,7 +32,7 @@ from rich.progress import Progress
 from swap_core.errors import AdapterNotFoundError, DeviceMemoryError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import byte_size, count, output_file, positive_count
+from .arguments import HelpFormatter, byte_size, count, output_file, positive_count
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
 from .report import SCHEMA, machine_facts, render_modeled_table, save_json
@@ -159,20 +159,28 @@ def plan_combinations(
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench plan`` command: model the rows, print the table, write the JSON report."""
-    parser = argparse.ArgumentParser(prog="swap-bench plan", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="swap-bench plan",
+        formatter_class=HelpFormatter,
+        description="Model one rank's swapped step for a real model size on a link, over meta tensors (nothing is\n"
+        "allocated): device and host bytes and copies exact, seconds on the simulator's virtual clock.\n\n"
+        "Columns: plain state GB, the unswapped optimizer's device bytes; device peak GB, the swapped step's;\n"
+        "T_c, the plain update on the modeled device; step s, how far a cold step extends the compute stream;\n"
+        "transfer s, from step() to its last copy; bound s, the pipeline's least transfer time for k batches.",
+    )
     parser.add_argument(
         "--model",
         nargs="+",
         default=["llama-7b"],
         help=f"presets ({', '.join(MODELS)}) or paths to a Llama-style Hugging Face config.json",
     )
-    parser.add_argument("--optimizer", default="adamw", choices=PLAN_OPTIMIZERS)
+    parser.add_argument("--optimizer", default="adamw", choices=PLAN_OPTIMIZERS, help="the optimizer modeled")
     parser.add_argument("--world", nargs="+", type=positive_count, default=[8], help="FSDP2 ranks sharding the model")
     parser.add_argument(
         "--rank",
         type=count,
         default=0,
-        help="the rank modeled (default 0, the largest FSDP2 shard; distributed Muon's ranks own different matrices)",
+        help="the rank modeled (0 holds the largest FSDP2 shard; distributed Muon's ranks own different matrices)",
     )
     parser.add_argument(
         "--link",

@@ -159,14 +159,20 @@ def _comparison_table(comparisons: Sequence[ComparisonResult]) -> Table:
 
 
 def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title: str) -> None:
-    """Modeled rows: bytes exact, seconds on the virtual clock."""
-    table = Table(title=f"{title}; seconds are modeled, not measured")
+    """Modeled rows: bytes exact, seconds on the virtual clock, each in the unit that fits it."""
+    table = Table(
+        title=f"{title}; seconds are modeled, not measured",
+        caption="T_c: the plain update on the modeled device. step: how far a cold step extends the compute stream. "
+        "transfer: from step() to its last copy. bound: the pipeline's least transfer time for k batches.",
+    )
     columns = (
-        "model", "opt", "world", "link", "ranks/node", "k", "params/rank", "plain state GB", "device peak GB",
-        "host GB", "copies", "T_c ms", "step s", "transfer s", "bound s", "transfer/bound", "link busy",
+        "model", "opt", "world", "link", "ranks/node", "k", "params/rank", "plain state", "device peak",
+        "host", "copies", "T_c", "step", "transfer", "bound", "transfer/bound", "link busy",
     )  # fmt: skip
     for title_text in columns:
-        table.add_column(title_text, justify="left" if title_text in ("model", "opt", "link") else "right")
+        table.add_column(
+            title_text, justify="left" if title_text in ("model", "opt", "link") else "right", no_wrap=True
+        )
     for row in rows:
         table.add_row(
             row.name + (" +masters" if row.master_weights else ""),
@@ -176,15 +182,31 @@ def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title:
             str(row.ranks_per_node),
             row.batches_label + ("" if row.packed else " per-tensor") + ("" if row.duplex else " 1-stream"),
             f"{row.params / 1e9:.3f}B" if row.params >= 10**8 else f"{row.params:,}",
-            f"{row.plain_state_device_bytes / 1e9:.2f}",
-            f"{row.device_peak_state_bytes / 1e9:.2f}",
-            f"{row.host_state_bytes / 1e9:.2f}",
+            readable_bytes(row.plain_state_device_bytes),
+            readable_bytes(row.device_peak_state_bytes),
+            readable_bytes(row.host_state_bytes),
             str(row.copies),
-            f"{row.update_seconds * 1e3:.2f}",
-            f"{row.modeled_step_seconds:.4g}",
-            f"{row.modeled_transfer_seconds:.4g}",
-            f"{row.bound_seconds:.4g}",
+            readable_seconds(row.update_seconds),
+            readable_seconds(row.modeled_step_seconds),
+            readable_seconds(row.modeled_transfer_seconds),
+            readable_seconds(row.bound_seconds),
             f"{row.modeled_transfer_seconds / row.bound_seconds:.3f}" if row.bound_seconds > 0 else "-",
             f"{100 * row.link_utilization:.0f}%",
         )
     console.print(table)
+
+
+def readable_bytes(count: int) -> str:
+    """``count`` bytes in the decimal unit that keeps 3 significant digits (``12.3 MB``, ``51.9 GB``)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count} B"
+
+
+def readable_seconds(seconds: float) -> str:
+    """``seconds`` in s, ms or µs, 4 significant digits."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= size:
+            return f"{seconds / size:.4g} {unit}"
+    return f"{seconds / 1e-6:.4g} µs"
