@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("matplotlib")
 pytest.importorskip("swap_adam")
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "train_gpt.py"
 PLOTS = ("loss_curves.png", "state_memory.png", "step_timeline.png")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -80,3 +81,29 @@ def test_bf16_demo_swapped_masters_are_bitwise_the_fp32_masters(tmp_path: Path) 
     # Swapped: master and two moments, 12 fp32 bytes per parameter, in host memory, or resident for small ones.
     assert summary["host_state_bytes"] + device["swapped masters"]["state_between"] == 12 * parameters
     assert device["swapped masters"]["state_between"] < device["plain bf16"]["state_between"]
+
+
+@pytest.mark.slow
+def test_the_master_weights_page_quotes_a_20_step_bf16_demo(tmp_path: Path) -> None:
+    """docs/master-weights.md's figures of the bf16 demo are those of a 20-step run (``--quick``) today."""
+    out = tmp_path / "demo-bf16-quick"
+    _run(BF16_DEMO, "--quick", "--out", str(out))
+    summary = json.loads((out / "summary.json").read_text())
+    device = summary["device_bytes"]
+    losses = summary["losses"]
+    drift = max(abs(a - b) for a, b in zip(losses["plain bf16"], losses["fp32 masters"], strict=True))
+
+    def mib(count: int) -> str:
+        return f"{count / 2**20:.2f} MiB"
+
+    quoted = (
+        f"In a 20-step run here ({summary['parameters']:,} parameters, `swap_times=4`): bf16 weights and "
+        f"gradients {mib(device['plain bf16']['weights_and_grads'])} in every run; optimizer state on the device "
+        f"{mib(device['plain bf16']['state_between'])} (plain bf16), {mib(device['fp32 masters']['state_between'])} "
+        f"(fp32 masters with their gradients and fp32 moments), {mib(device['swapped masters']['state_between'])} "
+        f"between steps and {mib(device['swapped masters']['state_peak'])} at the peak of a step (swapped), with "
+        f"{mib(summary['host_state_bytes'])} in host memory; plain bf16 AdamW's loss drifted from the reference's "
+        f"by up to {drift:.4f}"
+    )
+    page = " ".join((ROOT / "docs" / "master-weights.md").read_text().split())
+    assert quoted in page, f"docs/master-weights.md should say: {quoted}"
