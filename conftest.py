@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 pytest_plugins = ("swap_core.testing.pytest_plugin",)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-markdown-docs' hook: only the docs_snippets session installs it
 def pytest_markdown_docs_globals() -> dict[str, Any]:
     """The names the docs' snippets use without defining them (``model``, ``params``, ``loader``...): small
     stand-ins on the CPU, made afresh for every snippet, so each runs as written (pytest-markdown-docs)."""

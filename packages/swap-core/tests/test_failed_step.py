@@ -152,8 +152,8 @@ def test_group_values_and_states_of_a_refused_first_step_are_as_before_with_no_b
     params = _on(backend, _params())
     swapped = _swapped("lazy", params, backend, packed=True)
     groups = [{key: value for key, value in group.items() if key != "params"} for group in swapped.param_groups]
+    _set_grads(params, 0)  # before the count: on a device the gradients are device memory too
     allocated = backend.memory_allocated()
-    _set_grads(params, 0)
     with _FailingIn(swapped, 2), pytest.raises(OwnCodeFault):
         swapped.step()
     swapped.synchronize()
