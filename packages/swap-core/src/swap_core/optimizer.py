@@ -712,10 +712,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.adapter.lazy_states:  # its update creates the states: only the masters it runs on are made here
             fresh = [(param, {}) for _, param in params if has_master(param) and not self.state[param]]
         else:
-            fresh = [
+            asked = [
                 (param, self.adapter.initial_state(self._as_updated(param), self.param_groups[group_index]))
                 for group_index, param in params
                 if not self.state[param]
+            ]
+            # A parameter the adapter keeps no state for (distributed Muon's matrices another rank owns) has nothing
+            # to create: left out, it does not make the plan be built again at every step.
+            fresh = [
+                (param, initial) for param, initial in asked if initial or (self._master_weights and has_master(param))
             ]
         if not fresh:
             return
