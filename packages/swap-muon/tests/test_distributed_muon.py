@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -50,9 +51,17 @@ def _model(mesh: Any, use_fully_shard: bool) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(distribute_tensor(weight, mesh, placements)) for weight in full]
 
 
+def _give_grads(sharded: list[torch.nn.Parameter], reference_params: list[torch.nn.Parameter], seed: int) -> None:
+    """The same full gradients to the reference and, sharded like each parameter, to the swapped one."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for param, reference_param, grad in zip(sharded, reference_params, _full(seed), strict=True):
+        reference_param.grad = grad
+        param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+
+
 def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fully_shard: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
     names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -64,9 +73,7 @@ def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fu
     adapter = opt.adapter
     assert isinstance(adapter, DistributedMuonAdapter)
     for step in range(5):
-        for param, reference_param, grad in zip(sharded, reference_params, _full(100 + step), strict=True):
-            reference_param.grad = grad
-            param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+        _give_grads(sharded, reference_params, 100 + step)
         reference.step()
         opt.step()
     where = f"rank {rank} mesh {mesh_shape} fully_shard={use_fully_shard}"
@@ -106,9 +113,7 @@ def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fu
             assert_bitwise_equal(entry["momentum_buffer"].to_local(), momentum.to_local(), f"{where}: staged {index}")
         opt.load_state_dict(staged)
     opt.load_state_dict(saved)
-    for param, reference_param, grad in zip(sharded, reference_params, _full(200), strict=True):
-        reference_param.grad = grad
-        param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+    _give_grads(sharded, reference_params, 200)
     reference.step()
     opt.step()
     for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
@@ -318,7 +323,6 @@ class _CountReads(TorchFunctionMode):
 def _tensor_lr_body(rank: int, world_size: int) -> None:
     """A tensor ``lr``: bitwise torch's Muon, read once per step (``.item()`` syncs where it lives), not per batch."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
     options = {**OPTIONS, "lr": torch.tensor(0.02)}
@@ -328,9 +332,7 @@ def _tensor_lr_body(rank: int, world_size: int) -> None:
     config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=3, min_numel=16)
     opt = swap_optimizer(torch.optim.Muon(sharded, **{**options, "lr": torch.tensor(0.02)}), config)
     for step in range(3):
-        for param, reference_param, grad in zip(sharded, reference_params, _full(300 + step), strict=True):
-            reference_param.grad = grad
-            param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+        _give_grads(sharded, reference_params, 300 + step)
         reference.step()
         with _CountReads(opt.param_groups[0]["lr"]) as counted:
             opt.step()
@@ -338,6 +340,37 @@ def _tensor_lr_body(rank: int, world_size: int) -> None:
     opt.synchronize()
     for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
         assert_bitwise_equal(reference_param, param.full_tensor(), f"rank {rank}: parameter {index}")  # type: ignore[attr-defined]
+
+
+def _auto_batches_body(rank: int, world_size: int) -> None:
+    """``swap_times="auto"`` with ranks that see different free device memory: every rank takes the count the
+    tightest one needs (they walk the same batches and exchange rows per batch), and steps as full Muon."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+    reference_params = [torch.nn.Parameter(weight) for weight in _full(0)]
+    reference = torch.optim.Muon(reference_params, **OPTIONS)
+    sharded = _model(mesh, use_fully_shard=False)
+    device_memory = AUTO_DEVICE_MEMORY if rank == 1 else 1 << 30  # rank 0 alone would take one batch
+    config = SwapConfig(backend=SimBackend(mode="random", seed=rank, device_memory=device_memory), swap_times="auto")
+    opt = swap_optimizer(torch.optim.Muon(sharded, **OPTIONS), dataclasses.replace(config, min_numel=16))
+    for step in range(3):
+        for param, reference_param, grad in zip(sharded, reference_params, _full(300 + step), strict=True):
+            reference_param.grad = grad
+            param.grad = distribute_tensor(grad, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+        reference.step()
+        opt.step()
+    for index, (param, reference_param) in enumerate(zip(sharded, reference_params, strict=True)):
+        assert_bitwise_equal(reference_param, param.full_tensor(), f"rank {rank}: parameter {index}")  # type: ignore[attr-defined]
+    counts: list[object] = [None] * world_size
+    dist.all_gather_object(counts, opt.stats.batches)
+    assert len(set(counts)) == 1 and opt.stats.batches > 1, f"batches per rank {counts}: not agreed on"
+
+
+AUTO_DEVICE_MEMORY = 12 * 1024
+"""Rank 1's simulated device in the ``"auto"`` check: too small for all its momenta (12,672 bytes of the four
+matrices the owner plan gives it) in one batch; rank 0's (one matrix of 9,216 bytes) would fit it."""
 
 
 def _two_rank_checks(rank: int, world_size: int) -> None:
@@ -352,6 +385,7 @@ def _two_rank_checks(rank: int, world_size: int) -> None:
     _masters_body(rank, world_size, (2,), "lazy")
     _masters_body(rank, world_size, (2,), "random")
     _tensor_lr_body(rank, world_size)
+    _auto_batches_body(rank, world_size)
 
 
 def test_fsdp_two_ranks_match_full_muon_and_refuse_bad_plans() -> None:

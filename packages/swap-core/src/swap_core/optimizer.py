@@ -32,7 +32,7 @@ from .backends.sim import SimBackend
 from .backends.sim.timing import ModeledTimes
 from .backward_prefetch import BackwardPrefetch
 from .config import SwapConfig
-from .errors import SwapStateError, UnsupportedOptimizerError
+from .errors import DeviceMemoryError, SwapStateError, UnsupportedOptimizerError
 from .master_weights import (
     MASTER_KEY,
     has_master,
@@ -771,18 +771,26 @@ class SwapOptimizer(torch.optim.Optimizer):
                 reverse=self.config.prefetch == "backward",
             )
             if swap_times == "auto":
-                if rank_independent:
-                    raise UnsupportedOptimizerError(
-                        f"swap_times='auto' is not supported for {type(self.optimizer).__name__} across ranks: its "
-                        "ranks must run the same batches, and the free device memory each sees can differ. Set "
-                        "swap_times to a number"
-                    )
                 store, cut = self._store, partition
-                batches = self._auto_batches(
-                    lambda count: staging_bytes(store, params, dataclasses.replace(cut, num_batches=count)),
-                    len(params),
-                )
-                self._auto_tried = (batches, len(params))
+                fits_nowhere: DeviceMemoryError | None = None
+                try:
+                    batches = self._auto_batches(
+                        lambda count: staging_bytes(store, params, dataclasses.replace(cut, num_batches=count)),
+                        len(params),
+                    )
+                except DeviceMemoryError as error:
+                    if not rank_independent:
+                        raise
+                    fits_nowhere, batches = error, len(params) + 1  # the others must learn it, not wait for this rank
+                if rank_independent:  # every rank walks the same batches: the count that fits every rank
+                    batches = self.adapter.agree_on_batches(batches)
+                    if batches > len(params):
+                        raise fits_nowhere or DeviceMemoryError(
+                            "swap_times='auto': another rank's device cannot stage even one parameter per batch "
+                            "(its error names the bytes); every rank stops before anything changes"
+                        )
+                # A rank cannot retry alone with more batches where every rank must walk the same ones.
+                self._auto_tried = None if rank_independent else (batches, len(params))
                 partition = dataclasses.replace(partition, num_batches=batches)
             self._plan = build_plan(self._store, self.backend, params, partition, walk_every_batch=rank_independent)
             if self.config.swap_times == "auto":

@@ -100,6 +100,17 @@ class DistributedMuonAdapter(StateSwapAdapter):
     def partition_costs(self, params: Sequence[torch.Tensor]) -> Sequence[int]:
         return [state_bytes(param.shape, param.dtype) for param in params]
 
+    def agree_on_batches(self, batches: int) -> int:
+        """The largest count any rank of the shard group needs (an all-reduce of one integer, at a re-plan: every
+        rank of the group walks the same batches and runs their row exchanges together)."""
+        device = torch.device("cpu")
+        if dist.get_backend(self.shards.group) != "gloo":
+            first = next(param for group in self.optimizer.param_groups for param in group["params"])
+            device = first.to_local().device  # a DTensor: NCCL/HCCL reduce on the device
+        count = torch.tensor([batches], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.shards.group)
+        return int(count.item())
+
     def update(self, batch: UpdateBatch) -> None:
         """One batch: gradients to the owners, their momentum steps and Newton-Schulz, the rows back.
 

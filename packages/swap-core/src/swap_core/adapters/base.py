@@ -194,6 +194,14 @@ class StateSwapAdapter(abc.ABC):
         """
         return None
 
+    def agree_on_batches(self, batches: int) -> int:
+        """With rank-independent :meth:`partition_costs` and ``swap_times="auto"``: the batch count every rank
+        takes, from this rank's own choice (each rank's fits its free device memory, which can differ); a
+        collective, called by every rank at the same re-plan. Default (one rank, or costs per rank): ``batches``.
+        The largest count any rank needs fits every rank (staging only shrinks with more batches).
+        """
+        return batches
+
     # -- checkpoint glue ----------------------------------------------------------
     def export_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint form of ``state_dict``, the wrapped optimizer's own format built from the live state.
