@@ -161,3 +161,25 @@ def test_auto_needs_a_backend_that_reports_its_memory() -> None:
 def test_bad_auto_settings_name_the_value(options: dict[str, object], error: type[Exception], words: str) -> None:
     with pytest.raises(error, match=words):
         SwapConfig(**options)  # type: ignore[arg-type]
+
+
+class _AlwaysOverReporting(SimBackend):
+    """A device that always says it has ten times the memory it has: the retry runs out of memory too."""
+
+    def available_device_bytes(self) -> int | None:
+        available = super().available_device_bytes()
+        return None if available is None else 10 * available
+
+
+def test_a_second_out_of_memory_is_a_clear_error_with_nothing_updated() -> None:
+    sim = _AlwaysOverReporting(mode="lazy", device_memory=100 * 1024)
+    _, _, params, swapped = _pair(sim, swap_times="auto")
+    before = [param.detach().clone() for param in params]
+    _set_grads(params, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        with pytest.raises(DeviceMemoryError, match=r"ran out of memory again with \d+ batches .* Nothing was updated"):
+            swapped.step()
+    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+    assert not any(swapped.state.get(param) for param in params), "the failed first step is undone"

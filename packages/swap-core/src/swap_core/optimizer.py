@@ -363,7 +363,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                         if not self._more_batches_after(error):
                             raise
                         stats, trace = SwapStats(), StepTrace() if self.config.trace else None
-                        plan = self._step_batches(stats, trace)
+                        try:
+                            plan = self._step_batches(stats, trace)
+                        except torch.OutOfMemoryError as again:
+                            raise self._still_out_of_memory(again) from again
             finally:
                 self._step_grads = []  # zero_grad(set_to_none=True) must be able to free them
                 self._journal = None
@@ -427,6 +430,18 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._arm_backward_prefetch(after_step=True)
         self._empty_host_cache_after_relayout()
         return plan
+
+    def _still_out_of_memory(self, error: torch.OutOfMemoryError) -> DeviceMemoryError:
+        """The error of a step whose retry with twice the batches ran out of device memory too (nothing updated)."""
+        assert self.backend is not None
+        plan = self._plan
+        staging = f"{plan.peak_staging_bytes} bytes of staging" if plan is not None else "its staging"
+        return DeviceMemoryError(
+            f"swap_times='auto': the device ran out of memory again with {self._auto_floor} batches ({staging}, "
+            f"{self.backend.available_device_bytes()} bytes available now): {error}. Nothing was updated. Free "
+            "device memory, lower device_memory_fraction (more margin for the rest of the step), keep fewer states "
+            "on the device (offload_fraction=1.0, a larger min_numel), or set swap_times to a larger number"
+        )
 
     def _more_batches_after(self, error: torch.OutOfMemoryError) -> bool:
         """With ``swap_times="auto"``, an out-of-memory before any batch updated anything (the staging did not fit):
