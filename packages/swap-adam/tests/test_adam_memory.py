@@ -94,8 +94,7 @@ def test_mixed_dtypes_use_one_packed_buffer_and_one_copy_per_dtype_per_batch(swa
         # 27 states of 3 dtypes: one copy per dtype per batch each way, not one per state.
         assert sim.copy_stats.h2d_copies == sim.copy_stats.d2h_copies == 3 * swap_times
         assert optimizer.stats.batches == swap_times
-    assert optimizer._store is not None and optimizer._store.packed_host is not None
-    assert set(optimizer._store.packed_host.buffers) == set(dtypes)
+    assert optimizer.host_layout().packed_dtypes == set(dtypes)
 
 
 def test_states_existing_before_wrapping_move_to_host_memory() -> None:

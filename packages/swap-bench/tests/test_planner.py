@@ -295,10 +295,10 @@ def test_a_bad_device_memory_is_an_error_line(text: str) -> None:
 def test_distributed_muon_plans_once_not_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Matrices another rank owns keep no state: asked for one at every step, they must not make the plan be built
     again each time (it was: 4 plans for the planner's 2 optimizers of 2 steps each, staging arenas allocated)."""
-    import swap_core.optimizer
+    from swap_core.optimizer import plan_cache
 
     built = []
-    build_plan = swap_core.optimizer.build_plan
-    monkeypatch.setattr(swap_core.optimizer, "build_plan", lambda *a, **k: built.append(1) or build_plan(*a, **k))
+    build_plan = plan_cache.build_plan
+    monkeypatch.setattr(plan_cache, "build_plan", lambda *a, **k: built.append(1) or build_plan(*a, **k))
     plan_model(MODELS["llama-1b"], "muon", world=4, link="pcie4", swap_times=4)
     assert len(built) == 2, f"{len(built)} plans for two optimizers stepped twice each"

@@ -84,7 +84,7 @@ def test_fresh_states_are_created_batch_by_batch_and_swapped(packed: bool, mode:
             assert_bitwise_equal(expected, actual, f"step {step}: parameter {index}")
         # The first step too spreads the parameters over the batches: its fresh states never are all on the device.
         assert swapped.stats.batches == 3, f"step {step}: {swapped.stats.batches} batches"
-        assert not swapped._store.has_unpacked
+        assert not swapped.host_layout().has_unpacked
     swapped.synchronize()
     swapped_bytes = sum(param.numel() * 4 for param in swapped_params if param.numel() >= 64)
     assert swapped.stats.host_state_bytes >= swapped_bytes
@@ -136,7 +136,7 @@ def test_a_first_step_failing_part_way_is_undone_and_the_next_steps_are_exact(pa
     for step in range(3):
         _step(reference_params, reference, step)
         _step(swapped_params, swapped, step)
-    assert swapped._store is not None and not swapped._store.has_unpacked
+    assert not swapped.host_layout().has_unpacked
     for index, (expected, actual) in enumerate(zip(reference_params, swapped_params, strict=True)):
         assert_bitwise_equal(expected, actual, f"parameter {index} after the recovered steps")
     assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after the recovered steps")

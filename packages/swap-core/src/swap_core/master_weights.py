@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .adapters.base import UpdateBatch
 from .errors import SwapStateError
+from .runtime.state_keys import MASTER_KEY, is_fresh
 from .runtime.tracked_state import TrackedState
 
 if TYPE_CHECKING:
@@ -49,8 +50,6 @@ __all__ = [
     "without_master",
 ]
 
-MASTER_KEY = "master_param"
-"""The state key of a parameter's fp32 master copy."""
 
 LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 """Parameter dtypes that get a master copy; every other parameter is updated as it is."""
@@ -86,11 +85,6 @@ def model_param(tensor: torch.Tensor) -> torch.Tensor:
     """The parameter ``tensor`` stands in for, if it is a :func:`stand_in`; else ``tensor`` itself."""
     param: torch.Tensor | None = _STOOD_FOR.get(tensor)  # type: ignore[no-untyped-call]
     return tensor if param is None else param
-
-
-def is_fresh(state: Mapping[str, Any]) -> bool:
-    """Whether the update is still to create ``state`` (empty, or holding only its master, made first)."""
-    return not state or (len(state) == 1 and MASTER_KEY in state)
 
 
 def without_master(state: Mapping[str, Any]) -> dict[str, Any]:

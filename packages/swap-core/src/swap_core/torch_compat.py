@@ -28,7 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # the base of the si
 
 __all__ = [
     "HOOK_REGISTRIES",
+    "LOAD_STATE_DICT_HOOKS",
     "MODULES_BINDING_THE_DEFAULT_GROUP",
+    "STATE_DICT_HOOKS",
     "OpOverload",
     "OpSchema",
     "TorchCompatError",
@@ -37,12 +39,14 @@ __all__ = [
     "hook_registries_set_aside",
     "host_empty_cache",
     "import_modules_binding_the_default_group",
+    "load_state_dict_hook_registries",
     "note_step_for_lr_schedulers",
     "op_schema",
     "private_function",
     "profiler_enabled",
     "registered_process_groups",
     "release_device_mesh_groups",
+    "remove_hooks",
     "runtime_library_function",
     "share_hook_registries",
     "step_hooks_silenced",
@@ -158,6 +162,12 @@ HOOK_REGISTRIES = (
 )
 """The per-instance hook registries of ``torch.optim.Optimizer`` (ordered dicts; checked: torch 2.13)."""
 
+LOAD_STATE_DICT_HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+"""The registries of ``load_state_dict``'s pre and post hooks, in that order."""
+
+STATE_DICT_HOOKS = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks")
+"""The registries of ``state_dict``'s pre and post hooks, in that order."""
+
 _INSTANCE_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 _GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 """``torch.optim.optimizer``'s module dicts of the hooks ``register_optimizer_step_pre/post_hook`` add."""
@@ -185,6 +195,23 @@ def share_hook_registries(wrapper: torch.optim.Optimizer, wrapped: torch.optim.O
             setattr(wrapped, name, hooks)
         setattr(wrapper, name, hooks)
     patch(wrapper)
+
+
+def load_state_dict_hook_registries(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[Any, Callable[..., Any]], dict[Any, Callable[..., Any]]]:
+    """``optimizer``'s ``load_state_dict`` pre-hook and post-hook registries (the live dicts, in the order their
+    hooks run; empty ones for an optimizer that never had any)."""
+    pre, post = (optimizer.__dict__.get(name, {}) for name in LOAD_STATE_DICT_HOOKS)
+    return pre, post
+
+
+def remove_hooks(optimizer: torch.optim.Optimizer, is_removed: Callable[[Callable[..., Any]], bool]) -> None:
+    """Remove from every hook registry of ``optimizer`` (:data:`HOOK_REGISTRIES`) the hooks ``is_removed`` picks."""
+    for name in HOOK_REGISTRIES:
+        hooks = optimizer.__dict__.get(name, {})
+        for handle in [handle for handle, hook in hooks.items() if is_removed(hook)]:
+            del hooks[handle]
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .runtime.plan import RESIDENT_BATCH_INDEX
+from .adapters.base import RESIDENT_BATCH_INDEX
 
 __all__ = ["PHASES", "StepTrace", "TraceInterval"]
 

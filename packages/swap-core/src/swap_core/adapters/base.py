@@ -21,6 +21,7 @@ from .overrides import check_no_bypassed_overrides
 
 __all__ = [
     "ADAPTER_API_VERSION",
+    "RESIDENT_BATCH_INDEX",
     "AdapterFactory",
     "StateInit",
     "StateSwapAdapter",
@@ -51,6 +52,11 @@ class StateInit:
     def zeros_like(cls, tensor: torch.Tensor) -> StateInit:
         """Zeros with the shape and dtype of ``tensor`` (the usual optimizer moment)."""
         return cls(tuple(tensor.shape), tensor.dtype, 0.0)
+
+
+RESIDENT_BATCH_INDEX = -1
+"""``UpdateBatch.batch_index`` of the update of a plan's resident batch (parameters without a swapped state), which
+runs before batch 0."""
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ from swap_core.backends.host_registration import (
     host_registrar,
     registered_host_buffer,
 )
-from swap_core.backends.protocol import Event, Stream
+from swap_core.backends.protocol import Event, ModeledTimes, Stream
 from swap_core.backends.tensor_layout import is_dense, spans_whole_storage
 from swap_core.torch_compat import TorchCompatError, host_empty_cache
 
@@ -334,6 +334,18 @@ class AcceleratorBackend:
     def synchronize(self) -> None:
         """Block the host until every stream of this device is idle."""
         self._module.synchronize(self._device)
+
+    @property
+    def host_is_device(self) -> bool:
+        """Device memory is the accelerator's own."""
+        return False
+
+    def modeled_times(self) -> ModeledTimes | None:
+        """A real device's time is not modeled: ``None``."""
+        return None
+
+    def start_transfer_window(self) -> None:
+        """Nothing to note: a real device has no virtual clock."""
 
     def is_capturing(self) -> bool:
         """``torch.<device>.is_current_stream_capturing()`` where the device module has it (CUDA graphs)."""

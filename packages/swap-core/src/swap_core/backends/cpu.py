@@ -26,3 +26,8 @@ class CpuBackend(SimBackend):
     @property
     def name(self) -> str:
         return "cpu"
+
+    @property
+    def host_is_device(self) -> bool:
+        """The parameters are on the CPU: host memory is the device's, and nothing stays resident to save it."""
+        return True

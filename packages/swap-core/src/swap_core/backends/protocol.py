@@ -34,6 +34,7 @@ Semantics every backend follows (the CUDA stream model):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -41,7 +42,22 @@ import torch
 
 from .host_memory import HostMemoryMode
 
-__all__ = ["DeviceBackend", "Event", "Stream"]
+__all__ = ["DeviceBackend", "Event", "ModeledTimes", "Stream"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeledTimes:
+    """Virtual times, in seconds since the backend was made (:meth:`DeviceBackend.modeled_times`)."""
+
+    host: float
+    """When the host issues its next op."""
+    compute: float
+    """When the compute stream has finished what was issued to it."""
+    transfers: float
+    """When the copy streams have finished what was issued to them."""
+    transfers_started: float | None = None
+    """When the first copy issued since the last :meth:`DeviceBackend.start_transfer_window` started (``None``: no
+    copy since)."""
 
 
 class Stream(Protocol):
@@ -175,6 +191,21 @@ class DeviceBackend(Protocol):
 
     def synchronize(self) -> None:
         """Block the host until every stream has finished its work."""
+        ...
+
+    # -- capabilities ------------------------------------------------------------
+    @property
+    def host_is_device(self) -> bool:
+        """Whether "device" memory is host memory (CPU parameters with master weights): keeping a state resident
+        saves nothing there, and every state is swapped."""
+        ...
+
+    def modeled_times(self) -> ModeledTimes | None:
+        """Where a virtual clock stands now (the simulator with ``timing``), or ``None`` where time is not modeled."""
+        ...
+
+    def start_transfer_window(self) -> None:
+        """From now on :meth:`modeled_times` notes when the first copy issued starts; nothing without a clock."""
         ...
 
     def is_capturing(self) -> bool:

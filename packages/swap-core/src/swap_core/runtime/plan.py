@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import RESIDENT_BATCH_INDEX
 from ..backends.protocol import DeviceBackend
 from ..errors import SwapStateError
-from ..master_weights import is_fresh
 from .dtensor import wrap_local
 from .packed import ARENA_ALIGN_BYTES, PackedHost, StagingArenas, align_up, arena_bytes, split_at_middle
 from .partition import partition_consecutive
 from .slots import SwapSlot
+from .state_keys import is_fresh
 from .store import StateStore
 
 __all__ = [
@@ -35,9 +36,6 @@ __all__ = [
 
 GradientPositions = slice | list[int]
 """Where a segment's gradients lie among all gradients in parameter order: a slice, or (with gaps) the positions."""
-
-RESIDENT_BATCH_INDEX = -1
-"""``index`` of a plan's resident batch (and ``UpdateBatch.batch_index`` of its update), which runs before batch 0."""
 
 
 @dataclasses.dataclass(eq=False)

@@ -18,6 +18,7 @@ no existing mirror and waits for nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -33,12 +34,28 @@ from .dtensor import local_tensor, shard_layout, wrap_local
 from .packed import PackedHost
 from .slots import SlotState, SwapSlot, is_swappable, is_swappable_dtype, layout_stride, transition
 
-__all__ = ["StateSource", "StateStore"]
+__all__ = ["HostLayout", "StateSource", "StateStore"]
 
 _STORE_SERIALS = itertools.count()
 
 StateSource = float | torch.Tensor
 """Initial content of a new host mirror: a fill value or a tensor (on the device or the host)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+    """What lives in host memory, as a read-only snapshot (:meth:`StateStore.host_layout`)."""
+
+    swapped: tuple[tuple[torch.Tensor, frozenset[str]], ...]
+    """Each parameter with a swapped state, in no set order, and the keys of its swapped states."""
+    packed_dtypes: frozenset[torch.dtype]
+    """The dtypes that have a packed host buffer (empty with ``SwapConfig(packed=False)``)."""
+    has_unpacked: bool
+    """Whether some swapped states still have host buffers of their own (made by a step, packed after it)."""
+
+    def swapped_keys(self, param: torch.Tensor) -> frozenset[str]:
+        """The keys of ``param``'s swapped states (empty when none is swapped)."""
+        return next((keys for swapped, keys in self.swapped if swapped is param), frozenset())
 
 
 class StateStore:
@@ -85,6 +102,14 @@ class StateStore:
         """This store and its :attr:`version`, unique in the process: when it changes, host buffers may have been
         replaced (and, with ``host_memory="caching"``, left in torch's pinned cache)."""
         return self._serial, self.version
+
+    def host_layout(self) -> HostLayout:
+        """A snapshot of which states are swapped and how their host memory is laid out."""
+        return HostLayout(
+            swapped=tuple((param, frozenset(slots)) for param, slots in self.slots.items() if slots),
+            packed_dtypes=frozenset(self.packed_host.buffers) if self.packed_host is not None else frozenset(),
+            has_unpacked=self.has_unpacked,
+        )
 
     def attach(self, state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """Write host mirrors into ``state`` from now on (used to stage a load, then commit it)."""

@@ -83,12 +83,7 @@ def planned_resident_params(optimizer: SwapOptimizer) -> tuple[torch.Tensor, ...
 def _plan_of(optimizer: SwapOptimizer, caller: str) -> SwapPlan:
     if not isinstance(optimizer, SwapOptimizer):
         raise TypeError(f"{caller}() takes a SwapOptimizer, got {type(optimizer).__name__}")
-    if optimizer.backend is None:
-        raise ValueError(
-            "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto'), so it plans no "
-            "batches; give its parameters an accelerator or pass SwapConfig(backend=...)"
-        )
-    return optimizer._current_plan()  # swap-core's own view of its plan: the one reader of it outside the optimizer
+    return optimizer.swap_plan()
 
 
 def simulator_of(target: SwapOptimizer | DeviceBackend | None) -> SimBackend:

@@ -691,6 +691,11 @@ class SimBackend:
         if self._clock is not None:
             self._clock.host_waits(self._clock.latest())
 
+    @property
+    def host_is_device(self) -> bool:
+        """The simulated device's memory stands for an accelerator's (``CpuBackend``: host memory is the device's)."""
+        return False
+
     def is_capturing(self) -> bool:
         """The simulator captures no graphs."""
         return False

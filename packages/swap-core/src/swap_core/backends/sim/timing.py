@@ -39,6 +39,7 @@ import torch
 
 from swap_core.torch_compat import OpOverload
 
+from ..protocol import ModeledTimes
 from .op_modes import ProgramOpMode
 
 __all__ = ["LINK_PRESETS", "LinkModel", "ModeledTimes", "TimedComputeMode", "VirtualClock"]
@@ -195,21 +196,6 @@ LINK_PRESETS: Mapping[str, LinkModel] = {
 pinned copies approach, never reach, and ``-achievable`` ones, as measured (docs/simulator.md gives the sources).
 A preset describes one rank alone on its host: ``dataclasses.replace(link, ranks_sharing_host=8)`` shares the host's
 memory with 8 ranks."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModeledTimes:
-    """Virtual times, in seconds since the backend was made (:meth:`SimBackend.modeled_times`)."""
-
-    host: float
-    """When the host issues its next op."""
-    compute: float
-    """When the compute stream has finished what was issued to it."""
-    transfers: float
-    """When the copy streams have finished what was issued to them."""
-    transfers_started: float | None = None
-    """When the first copy issued since the last :meth:`VirtualClock.start_transfer_window` started (``None``: no
-    copy since)."""
 
 
 class VirtualClock:

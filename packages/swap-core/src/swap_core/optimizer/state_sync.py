@@ -1,0 +1,432 @@
+"""The wrapped optimizer's ``state`` and ``param_groups``, followed into the swap runtime.
+
+:class:`StateSync` owns what the runtime knows of the wrapped optimizer: the tracked ``state`` mapping,
+the :class:`~swap_core.runtime.store.StateStore` of host mirrors, the parameter order, and one
+:attr:`~StateSync.generation` counter that moves whenever any of them changes (the plan is keyed on
+it alone). It follows a torch user's edits (``del opt.state[p]``, a replaced tensor, edited param
+groups, a load through the wrapped optimizer), adopts states made elsewhere, creates missing ones and
+commits a loaded checkpoint, each all or nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..adapters.base import StateInit, StateSwapAdapter
+from ..backend_selection import select_backend
+from ..backends.protocol import DeviceBackend
+from ..config import SwapConfig
+from ..master_weights import MASTER_KEY, has_master, is_fresh, master_problem, stand_in, without_master
+from ..runtime.dtensor import local_tensor, shard_layout
+from ..runtime.pipeline import PipelineScheduler
+from ..runtime.slots import SwapSlot, layout_stride
+from ..runtime.store import StateSource, StateStore
+from ..runtime.tracked_state import TrackedState
+from .wrapping import check_distinct_params, check_master_weights_supported, swap_keys
+
+__all__ = ["NO_ENTRY", "StateSync", "as_updated", "check_states"]
+
+Layout = tuple[list[int], list[int]]
+"""Identity of ``param_groups``: the ids of the parameters in order, and the size of each group."""
+
+_MirrorCheck = tuple[int, list[dict[str, Any]], list[str], list[torch.Tensor | None]]
+"""``(generation, state entry, key and host mirror of each swapped state)``; dropped with its store."""
+
+NO_ENTRY: dict[str, Any] = {}
+"""What a parameter without an entry in ``state`` holds (never written to)."""
+
+
+class StateSync:
+    """The swap runtime's view of one wrapped optimizer's ``state`` and ``param_groups``, kept in line with them."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        adapter: StateSwapAdapter,
+        config: SwapConfig,
+        backend: DeviceBackend,
+        scheduler: PipelineScheduler,
+    ) -> None:
+        self.optimizer = optimizer
+        self.adapter = adapter
+        self.config = config
+        self.backend = backend
+        self.scheduler = scheduler
+        self.master_weights = config.master_weights
+        self.generation = 0
+        """Moves whenever the store, its slots, the parameters or the entries bound to a plan change."""
+        self.params_version = 0
+        """Moves whenever the parameters or their grouping change (a subset of :attr:`generation`)."""
+        self._store: StateStore | None = None
+        self._tracked = TrackedState()
+        self._seen_state_version = -1
+        self._layout: Layout = ([], [])
+        self._mirror_check: _MirrorCheck | None = None
+        self._host_cache_emptied_at: tuple[int, int] | None = None
+        self._on_change: list[Callable[[], None]] = []
+
+    def start(self) -> None:
+        """Take over the wrapped optimizer as it is: its parameters declared, its states moved to host memory."""
+        self._adopt_params()
+        self.adopt_state()  # existing states move to host memory (may find the host too small)
+        self._layout = _layout(self.param_groups, self.ordered_params())
+
+    def changed(self) -> None:
+        """Something the plan is bound to changed: the next plan is built afresh, and what holds the old one drops
+        it now (it holds host buffers a replaced store no longer owns, and staging)."""
+        self.generation += 1
+        for drop in self._on_change:
+            drop()
+
+    def on_change(self, drop: Callable[[], None]) -> None:
+        """Call ``drop`` at every :meth:`changed`."""
+        self._on_change.append(drop)
+
+    # -- the wrapped optimizer's objects ----------------------------------------------
+    @property
+    def store(self) -> StateStore:
+        assert self._store is not None, "StateSync.start() makes the store"
+        return self._store
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def tracked(self) -> TrackedState:
+        return self._tracked
+
+    def ordered_params(self) -> list[torch.Tensor]:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    def ordered_params_with_groups(self) -> list[tuple[int, torch.Tensor]]:
+        return [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
+
+    def as_updated(self, param: torch.Tensor) -> torch.Tensor:
+        return as_updated(param, master_weights=self.master_weights)
+
+    # -- following what the user did to state and param_groups -----------------------
+    def follow_edits(self, ordered: list[torch.Tensor]) -> None:
+        """Bring the swap runtime in line with what was done to ``param_groups`` and ``state`` since the last look.
+
+        Cheap when nothing changed, as in almost every step: two identity checks, one integer, and one
+        C-level pass over the parameter ids and over the swapped entries of ``state``.
+        """
+        layout = _layout(self.param_groups, ordered)
+        layout_changed = layout != self._layout
+        if layout_changed:
+            check_distinct_params(self.param_groups)
+            select_backend(self.backend, ordered)
+            self._params_changed()
+            self._layout = layout
+        if self.optimizer.state is not self._tracked:
+            self.adopt_state()  # the wrapped optimizer's load_state_dict, or `state` assigned
+        elif self._tracked.version != self._seen_state_version or not self._mirrors_in_place():
+            self._resync_states(ordered)
+        elif layout_changed:
+            self.store.reorder(ordered)
+
+    def forget_layout(self) -> None:
+        """The next :meth:`follow_edits` re-plans even when the parameter order looks unchanged."""
+        self._layout = ([], [])
+
+    def rekey(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        """Host mirrors follow their states to the parameter objects that replace theirs."""
+        self.store.rekey(new_to_old_param)
+        self.changed()
+
+    def _params_changed(self) -> None:
+        ordered = self.ordered_params()
+        if self.master_weights:
+            check_master_weights_supported(self.optimizer, self.adapter, ordered)
+        self.adapter.params_changed(ordered)  # may refuse: nothing has changed yet
+        self.params_version += 1
+        self.changed()
+        self._adopt_params()
+
+    def _adopt_params(self) -> None:
+        for param in self.ordered_params():
+            self.backend.adopt(local_tensor(param))
+
+    def _mirrors_in_place(self) -> bool:
+        """Whether every swapped state's entry in ``state`` still is its host mirror."""
+        store = self.store
+        check = self._mirror_check
+        if check is None or check[0] != self.generation:
+            slots = [slot for param_slots in store.slots.values() for slot in param_slots.values()]
+            entries = [self.state.get(slot.param, NO_ENTRY) for slot in slots]
+            check = (self.generation, entries, [slot.key for slot in slots], [slot.host_value for slot in slots])
+            self._mirror_check = check
+        _, entries, keys, values = check
+        return all(map(operator.is_, map(dict.get, entries, keys), values))
+
+    def adopt_state(self) -> None:
+        """Make the wrapped optimizer's current ``state`` the swapped one: tracked, swapped tensors in host memory.
+
+        All or nothing: if the host cannot hold them, the optimizer is left exactly as it was.
+        """
+        state = self.optimizer.state
+        previous = (self._tracked, self._seen_state_version, self._store, self._mirror_check)
+        tracked = state if isinstance(state, TrackedState) else TrackedState(state)
+        self.optimizer.state = tracked
+        self.track(tracked)
+        try:
+            self.replace_store(self.new_store())
+            self.offload_existing_states(self.ordered_params())
+        except BaseException:
+            self.optimizer.state = state
+            self._tracked, self._seen_state_version, self._store, self._mirror_check = previous
+            self.changed()
+            raise
+
+    def track(self, state: TrackedState) -> None:
+        """``state`` is the optimizer's from now on: a read of it from outside the optimizer's work first waits for
+        the copies in flight (a user's edit in place between steps must not be overwritten by a copy landing)."""
+        state.before_access = self.scheduler.settle_for_host
+        self._tracked = state
+        self._seen_state_version = state.version
+
+    def replace_store(self, store: StateStore) -> None:
+        """A new store: nothing may keep the old one's host memory (or its states' device memory) alive.
+
+        The old host buffers are freed once nothing refers to them: the copies into them are waited for first
+        (freeing pinned memory a copy still writes would let the copy write into memory given to others).
+        """
+        if self._store is not None:
+            self.scheduler.synchronize()
+        self._store = store
+        self._mirror_check = None
+        self.changed()
+
+    def _resync_states(self, ordered: list[torch.Tensor]) -> None:
+        """Entries of ``state`` reset or replaced by hand: their host mirrors give way to what is there now.
+
+        A parameter whose entry is gone or empty starts afresh at its next step, as torch's does; a
+        tensor put in place of a host mirror is taken over (copied into host memory).
+        """
+        store = self.store
+        stale = [
+            param
+            for param, slots in store.slots.items()
+            if any(self.state.get(param, NO_ENTRY).get(key) is not slot.host_value for key, slot in slots.items())
+        ]
+        with store.all_or_nothing():
+            store.remove(stale)
+            if not self.offload_existing_states(stale, order=ordered):
+                store.reorder(ordered)  # nothing was added (which re-packs): re-pack without the removed slots
+        self._seen_state_version = self._tracked.version
+        self.changed()  # state dicts are bound to the batches
+
+    # -- checks ---------------------------------------------------------------------
+    def check_states(
+        self,
+        params: Sequence[tuple[int, torch.Tensor]],
+        error: Callable[[str], Exception],
+        *,
+        masters_to_make: bool = False,
+    ) -> None:
+        """:func:`check_states` of the wrapped optimizer's states."""
+        check_states(
+            self.optimizer,
+            self.adapter,
+            params,
+            error,
+            master_weights=self.master_weights,
+            masters_to_make=masters_to_make,
+        )
+
+    def check_room_for_states_the_update_creates(self, params_with_grad: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """States the update is about to create (an adapter whose update makes them): refused before any batch
+        updates anything if host memory cannot take them (else the step would fail part-way, after earlier batches
+        were updated)."""
+        fresh = [
+            (param, key, template)
+            for group_index, param in params_with_grad
+            if is_fresh(self.state.get(param) or {})
+            for key, template in self.adapter.expected_states(
+                self.as_updated(param), self.param_groups[group_index]
+            ).items()
+        ]
+        if fresh:
+            self.store.check_room_for(fresh, self.ordered_params())
+
+    # -- states made, moved and packed --------------------------------------------------
+    def create_missing_states(self, params: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Fresh states of parameters seen with a gradient for the first time, swapped ones born on the host.
+
+        Every ``initial_state`` is asked first, so an adapter that refuses a parameter leaves no
+        half-initialized state behind.
+        """
+        fresh: list[tuple[torch.Tensor, dict[str, torch.Tensor | StateInit]]]
+        if self.adapter.lazy_states:  # its update creates the states: only the masters it runs on are made here
+            fresh = [(param, {}) for _, param in params if has_master(param) and not self.state[param]]
+        else:
+            asked = [
+                (param, self.adapter.initial_state(self.as_updated(param), self.param_groups[group_index]))
+                for group_index, param in params
+                if not self.state[param]
+            ]
+            # A parameter the adapter keeps no state for (distributed Muon's matrices another rank owns) has nothing
+            # to create: left out, it does not make the plan be built again at every step.
+            fresh = [
+                (param, initial) for param, initial in asked if initial or (self.master_weights and has_master(param))
+            ]
+        if not fresh:
+            return
+        self.changed()
+        store = self.store
+        new: list[tuple[SwapSlot, StateSource]] = []
+        try:
+            with store.all_or_nothing():
+                for param, initial in fresh:
+                    state = self.state[param]
+                    masters = self.master_weights and has_master(param)
+                    if masters:  # the master starts as the parameter, exactly (fp32 holds every bf16/fp16 value)
+                        initial = {**initial, MASTER_KEY: StateInit(tuple(param.shape), torch.float32)}
+                    for key, value in initial.items():
+                        state[key] = value
+                        if not isinstance(value, StateInit):
+                            continue
+                        source: StateSource = param.detach() if masters and key == MASTER_KEY else float(value.fill)
+                        if store.should_swap(key, value):
+                            new.append((_slot_for(param, key, value), source))
+                        else:
+                            state[key] = store.resident_value(value, param)
+                            if isinstance(source, torch.Tensor):
+                                state[key].copy_(source)
+                store.add(new, self.ordered_params())
+        except BaseException:
+            for param, _ in fresh:  # each had no state: it has none again (e.g. the host lacked the memory)
+                self.state[param].clear()
+            raise
+
+    def offload_existing_states(
+        self, params: Iterable[torch.Tensor], order: Sequence[torch.Tensor] | None = None, *, unpacked: bool = False
+    ) -> int:
+        """Existing state tensors of ``params`` move to host memory now; returns how many.
+
+        They were created or loaded before wrapping, put in place of a host mirror by hand, or created
+        by the update of a step (``unpacked``: packed later, see :meth:`StateStore.add`).
+        """
+        store = self.store
+        new: list[tuple[SwapSlot, StateSource]] = []
+        for param in params:
+            swapped = store.slots.get(param, NO_ENTRY)  # e.g. the master, made before the update
+            for key, value in self.state.get(param, NO_ENTRY).items():
+                if key in swapped:
+                    continue
+                if isinstance(value, torch.Tensor) and store.should_swap(key, value):
+                    new.append((_slot_like(value, key, value.dtype, param=param), value))
+        store.add(new, self.ordered_params() if order is None else order, unpacked=unpacked)
+        if new:
+            self.changed()
+        return len(new)
+
+    def pack_fresh_states(self, ordered: list[torch.Tensor]) -> None:
+        """Pack the host buffers of states created during a step (given buffers of their own meanwhile)."""
+        if self.store.has_unpacked:
+            self.scheduler.synchronize()  # the re-layout reads every host mirror: offloads must be done
+            self.store.pack(ordered)
+            self.changed()
+
+    def new_store(self) -> StateStore:
+        """An empty store for this optimizer's states, laid out as the config says."""
+        return StateStore(
+            self.backend,
+            self.state,
+            swap_keys=swap_keys(self.optimizer, self.adapter, self.config),
+            min_numel=self.config.min_numel,
+            # Where host memory is the device's (CPU parameters in master-weights mode) nothing stays resident.
+            offload_fraction=0.0 if self.backend.host_is_device else self.config.offload_fraction,
+            packed=self.config.packed,
+            copy_stream=self.scheduler.d2h,
+            await_offloads=self.scheduler.synchronize,
+            host_memory=self.config.host_memory,
+        )
+
+    def commit_load(self, store: StateStore, state: TrackedState, ordered: list[torch.Tensor]) -> None:
+        """A checkpoint staged in ``store`` (the live one, for a load in place) becomes the live state."""
+        self.track(state)
+        self._layout = _layout(self.param_groups, ordered)
+        store.attach(self.state)
+        self._mirror_check = None
+        self.changed()
+
+    def empty_host_cache_after_relayout(self) -> None:
+        """With ``host_memory="caching"``, host buffers a re-layout (or a load, or a reset) replaced stay pinned in
+        torch's caching host allocator: give them back once per layout, after the step that dropped the last
+        references to them (its plan and any prefetch), so the process pins its layout once, not twice."""
+        layout = self.store.layout_id
+        if self.config.host_memory == "caching" and layout != self._host_cache_emptied_at:
+            self._mirror_check = None  # it may hold the replaced mirrors (it is rebuilt for a new layout anyway)
+            self.backend.empty_host_cache()
+            self._host_cache_emptied_at = layout
+
+
+def _layout(groups: Sequence[Mapping[str, Any]], ordered: Sequence[torch.Tensor]) -> Layout:
+    return list(map(id, ordered)), [len(group["params"]) for group in groups]
+
+
+def _slot_for(param: torch.Tensor, key: str, init: StateInit) -> SwapSlot:
+    """A slot for a fresh state: a shard like ``param``'s, or a whole tensor this rank holds alone."""
+    if init.shard_like_param:
+        return _slot_like(param, key, init.dtype)
+    return SwapSlot(param, key, torch.Size(init.shape), init.dtype)
+
+
+def _slot_like(like: torch.Tensor, key: str, dtype: torch.dtype, *, param: torch.Tensor | None = None) -> SwapSlot:
+    """A slot for state ``key`` shaped, laid out and sharded like ``like``; bytes are always the local shard's.
+
+    Laid out like ``like`` as torch's ``zeros_like(p, memory_format=torch.preserve_format)`` is: a fused
+    kernel reads a state in memory order, so a channels-last parameter's moments must be channels-last.
+    """
+    local = local_tensor(like)
+    owner = param if param is not None else like
+    return SwapSlot(owner, key, local.shape, dtype, shard_layout(like), layout_stride(local))
+
+
+def check_states(
+    optimizer: torch.optim.Optimizer,
+    adapter: StateSwapAdapter,
+    params: Sequence[tuple[int, torch.Tensor]],
+    error: Callable[[str], Exception],
+    *,
+    master_weights: bool,
+    masters_to_make: bool = False,
+) -> None:
+    """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use.
+
+    ``params`` are ``(group index, parameter)``. ``masters_to_make``: a state without a master is to get one (made
+    before wrapping), so only the adapter is asked about it.
+    """
+    for index, (group_index, param) in enumerate(params):
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        problem = None
+        if master_weights and has_master(param):
+            if not (masters_to_make and MASTER_KEY not in state):
+                problem = master_problem(param, state)
+            state = without_master(state)
+        if problem is None:
+            updated = as_updated(param, master_weights=master_weights)
+            problem = adapter.state_mismatch(updated, optimizer.param_groups[group_index], state)
+        if problem is not None:
+            raise error(
+                f"The state of parameter {index} (param group {group_index}, shape {tuple(param.shape)}) "
+                f"{problem}: {type(optimizer).__name__}'s update cannot use it, and nothing was changed. "
+                "Load a complete checkpoint, or reset the entry (del optimizer.state[param]) to start it afresh"
+            )
+
+
+def as_updated(param: torch.Tensor, *, master_weights: bool) -> torch.Tensor:
+    """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
+    return stand_in(param) if master_weights and has_master(param) else param

@@ -1,0 +1,182 @@
+"""What wrapping refuses before anything changes, and swap's own hooks on the wrapped optimizer."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..adapters.base import StateSwapAdapter
+from ..config import SwapConfig
+from ..errors import UnsupportedOptimizerError
+from ..master_weights import MASTER_KEY, has_master
+from ..torch_compat import remove_hooks
+
+__all__ = [
+    "WRAPPERS",
+    "Wrapper",
+    "check_distinct_params",
+    "check_master_weights_supported",
+    "check_not_wrapped",
+    "check_state_assignable",
+    "exported",
+    "group_params",
+    "overrides",
+    "remove_swap_hooks",
+    "swap_keys",
+    "synchronized",
+]
+
+_LOG = logging.getLogger("swap_core")
+
+
+class Wrapper(Protocol):
+    """What the rooms below the torch face know of a :class:`~swap_core.SwapOptimizer`."""
+
+    optimizer: torch.optim.Optimizer
+
+    def synchronize(self) -> None: ...
+
+    def outside_step(self, name: str, *args: Any, **kwargs: Any) -> Any: ...
+
+
+WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Wrapper]] = weakref.WeakKeyDictionary()
+"""The live wrapper of each wrapped optimizer: a second wrapper would keep a second copy of its state."""
+
+
+def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that a live :class:`SwapOptimizer` already wraps."""
+    reference = WRAPPERS.get(optimizer)
+    if reference is not None and reference() is not None:
+        raise UnsupportedOptimizerError(
+            f"This {type(optimizer).__name__} is already wrapped by a SwapOptimizer: step that one. A second wrapper "
+            "would keep a second copy of the state in host memory, and the two would diverge silently"
+        )
+
+
+def check_state_assignable(optimizer: torch.optim.Optimizer) -> None:
+    """A class whose ``state`` cannot be assigned (a read-only property): swapping follows the user's edits of
+    ``state`` through a mapping of its own, which it must put in place (torch's own ``load_state_dict`` assigns
+    ``state`` too). Tried by assigning the optimizer its own state back, which changes nothing."""
+    try:
+        optimizer.state = optimizer.state
+    except AttributeError as error:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__}.state cannot be assigned ({error}): a swapped optimizer replaces the state "
+            "mapping with one that follows edits of it (as torch's own load_state_dict assigns state). Give the "
+            "property a setter, or keep the state in the plain attribute torch.optim.Optimizer makes"
+        ) from None
+
+
+def check_distinct_params(groups: Sequence[Mapping[str, Any]]) -> None:
+    """Every parameter once: torch would update a repeated one twice per step (and warns that it will refuse)."""
+    first_seen: dict[int, tuple[int, int]] = {}
+    for group_index, group in enumerate(groups):
+        for position, param in enumerate(group_params(group)):
+            seen = first_seen.setdefault(id(param), (group_index, position))
+            if seen == (group_index, position):
+                continue
+            where = (
+                f"twice in param group {group_index} (positions {seen[1]} and {position})"
+                if seen[0] == group_index
+                else f"in param groups {seen[0]} and {group_index}"
+            )
+            raise UnsupportedOptimizerError(
+                f"Parameter {tuple(param.shape)} appears {where}: torch would update it twice per step, and a swapped "
+                "optimizer keeps one state per parameter. List each parameter once"
+            )
+
+
+def check_master_weights_supported(
+    optimizer: torch.optim.Optimizer, adapter: StateSwapAdapter, params: Sequence[torch.Tensor]
+) -> None:
+    """``master_weights=True`` where this release cannot keep its promise: refused before anything changes.
+
+    Only parameters that get a master count; with none (fp32 parameters only) there is nothing to refuse.
+    """
+    if not any(has_master(param) for param in params):
+        _LOG.info("master_weights=True, but no parameter is bfloat16 or float16: no master copy is made")
+        return
+    reason = adapter.master_weights_unsupported
+    if reason is not None:
+        raise UnsupportedOptimizerError(
+            f"master_weights=True is not supported yet for {type(optimizer).__name__} through "
+            f"{type(adapter).__name__}: {reason}. Adam, AdamW, RMSprop, Muon and the optimizers swap-generic runs "
+            "support it (FSDP2 and HSDP included), or keep master_weights=False"
+        )
+
+
+def swap_keys(
+    optimizer: torch.optim.Optimizer, adapter: StateSwapAdapter, config: SwapConfig
+) -> tuple[str, ...] | None:
+    """The state keys to swap (``None``: any), the requested ones checked against those the optimizer creates:
+    a typo (``"momentum"`` for ``"momentum_buffer"``) would otherwise swap nothing, silently."""
+    declared = adapter.swappable_keys
+    # A family that swaps any key may still know the ones its optimizer creates (swap-generic's probe).
+    known = tuple(sorted(adapter.created_keys)) if declared is None and adapter.created_keys else declared
+    if known is not None and config.master_weights:
+        known = (*known, MASTER_KEY)
+    requested = config.state_keys
+    if requested is None:
+        return None if declared is None else known
+    unknown = [key for key in requested if known is not None and key not in known]
+    if unknown:
+        valid = list(known or ())
+        raise ValueError(f"Unknown state_keys {unknown} for {type(optimizer).__name__}; swappable keys are {valid}")
+    return requested
+
+
+def group_params(param_group: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The parameters of ``param_group`` as a list (torch accepts one tensor, or any iterable, once)."""
+    params = param_group.get("params", [])
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return list(params)
+
+
+def overrides(optimizer: torch.optim.Optimizer, method: str) -> bool:
+    """Whether ``optimizer``'s class replaces ``torch.optim.Optimizer``'s ``method`` with one of its own."""
+    return getattr(type(optimizer), method) is not getattr(torch.optim.Optimizer, method)
+
+
+# -- swap's own hooks on the wrapped optimizer ------------------------------------
+def remove_swap_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Remove the hooks a wrapper (a dead one, or one whose construction failed) registered on ``optimizer``."""
+    remove_hooks(optimizer, _is_swap_hook)
+
+
+def _is_swap_hook(hook: Callable[..., Any]) -> bool:
+    return bool(getattr(hook, "_swap_core_hook", False))
+
+
+def _tagged(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a hook as swap's own, so that wrapping the same optimizer again replaces it instead of adding one."""
+    hook._swap_core_hook = True  # type: ignore[attr-defined]
+    return hook
+
+
+def synchronized(wrapper: Wrapper) -> Callable[[torch.optim.Optimizer], None]:
+    """State-dict pre-hook: every offload finished before the host mirrors are read (weakly bound)."""
+    reference = weakref.ref(wrapper)
+
+    def synchronize(optimizer: torch.optim.Optimizer) -> None:
+        live = reference()
+        if live is not None:
+            live.synchronize()
+
+    return _tagged(synchronize)
+
+
+def exported(adapter: StateSwapAdapter) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
+    """State-dict post-hook: the adapter's checkpoint form of the state (see ``export_state_dict``)."""
+    return _tagged(functools.partial(_export_state_dict, adapter))
+
+
+def _export_state_dict(
+    adapter: StateSwapAdapter, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> dict[str, Any]:
+    return adapter.export_state_dict(state_dict)
