@@ -170,11 +170,13 @@ def has_test_modules(directory: Path) -> bool:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over all Python code (no torch needed)."""
+    """ruff check and ruff format --check over all Python code, and no package, test or example using another
+    package's underscore names (no torch needed)."""
     session.install(RUFF)
     targets = existing(LINT_TARGETS)
     session.run("ruff", "check", *targets, *session.posargs)
     session.run("ruff", "format", "--check", "--diff", *targets)
+    session.run("python", "tools/check_private_reaches.py")
 
 
 @nox.session

@@ -23,7 +23,7 @@ import swap_core.backends.accelerator as accelerator
 from swap_core.backend_selection import select_backend
 from swap_core.backends.accelerator import SUPPORTED_DEVICE_TYPES, AcceleratorBackend
 from swap_core.backends.host_memory import PAGE_BYTES, pinned_size
-from swap_core.backends.host_registration import HostRegistrar, _CudaHostRegistrar, host_registrar
+from swap_core.backends.host_registration import CudaHostRegistrar, HostRegistrar, host_registrar
 from swap_core.backends.protocol import DeviceBackend
 from swap_core.errors import PinnedMemoryWarning
 from swap_core.torch_compat import TorchCompatError, clear_cuda_last_error
@@ -152,7 +152,7 @@ def fake_module() -> FakeDeviceModule:
 
 @pytest.fixture
 def fake_backend(fake_module: FakeDeviceModule) -> AcceleratorBackend:
-    return AcceleratorBackend._from_module("cuda", fake_module)
+    return AcceleratorBackend.from_device_module("cuda", fake_module)
 
 
 def _fail_pinning(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -206,14 +206,14 @@ def test_device_defaults_to_the_current_device(fake_backend: AcceleratorBackend)
     assert fake_backend.name == "cuda"
     assert fake_backend.device == torch.device("cuda", 1)
     assert repr(fake_backend) == "AcceleratorBackend('cuda:1')"
-    explicit = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), device_index=0)
+    explicit = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), device_index=0)
     assert explicit.device == torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("device_index", [2, -1, True])
 def test_invalid_device_index_is_rejected(fake_module: FakeDeviceModule, device_index: int) -> None:
     with pytest.raises(ValueError, match=f"Invalid cuda device index {device_index!r}: 2 device"):
-        AcceleratorBackend._from_module("cuda", fake_module, device_index=device_index)
+        AcceleratorBackend.from_device_module("cuda", fake_module, device_index=device_index)
 
 
 # -- host memory ----------------------------------------------------------------
@@ -244,9 +244,9 @@ def test_pinning_failure_falls_back_to_pageable_and_warns_once(
 def test_each_backend_instance_warns_for_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(accelerator, "_empty_pinned", _fail_pinning)
     with pytest.warns(PinnedMemoryWarning):
-        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32, mode="caching")
+        AcceleratorBackend.from_device_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32, mode="caching")
     with pytest.warns(PinnedMemoryWarning):
-        AcceleratorBackend._from_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32, mode="caching")
+        AcceleratorBackend.from_device_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32, mode="caching")
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works on this machine")
@@ -293,7 +293,7 @@ class FakeRegistrar:
 
 def test_exact_host_buffers_pin_their_size_to_the_page_until_the_last_view_is_gone() -> None:
     registrar = FakeRegistrar()
-    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=registrar)
     numel = 10 * 2**20 // 4 + 1  # 10 MiB + 4 bytes of float32
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -322,7 +322,7 @@ def test_exact_host_memory_falls_back_to_the_caching_allocator_and_warns_once(
 ) -> None:
     monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
     module = FakeDeviceModule()
-    backend = AcceleratorBackend._from_module(device_type, module, registrar=registrar)  # type: ignore[arg-type]
+    backend = AcceleratorBackend.from_device_module(device_type, module, registrar=registrar)  # type: ignore[arg-type]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         buffers = [backend.empty_host(6, torch.float32), backend.empty_host(1000, torch.float32)]
@@ -381,8 +381,8 @@ def test_a_refused_cuda_registration_resets_the_last_error_and_says_which_error(
     """The fallback's first kernel launch must not raise the registration's error; the warning names it."""
     monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
     cudart = FakeCudart(refuse=712)
-    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
-    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    registrar = CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
+    backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=registrar)
     with pytest.warns(PinnedMemoryWarning) as caught:
         buffer = backend.empty_host(1000, torch.float32)
     message = str(caught[0].message)
@@ -403,7 +403,7 @@ def test_the_bindings_own_cuda_get_last_error_is_preferred() -> None:
     def search_the_runtime_library() -> int:
         raise AssertionError("the runtime library was searched although the binding has cudaGetLastError")
 
-    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=search_the_runtime_library)
+    registrar = CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=search_the_runtime_library)
     with pytest.raises(RuntimeError, match="CUDA error 712"):
         registrar.register(PAGE_BYTES, PAGE_BYTES)
     cudart.launch_kernel()
@@ -418,8 +418,8 @@ def test_a_refused_registration_whose_error_cannot_be_reset_is_raised_instead_of
     def no_runtime_library() -> int:
         raise TorchCompatError("no cudaGetLastError found (test). Use SwapConfig(host_memory='caching')")
 
-    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=no_runtime_library)
-    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    registrar = CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=no_runtime_library)
+    backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=registrar)
     with pytest.raises(TorchCompatError) as raised:
         backend.empty_host(1000, torch.float32)
     assert str(raised.value) == (
@@ -444,7 +444,7 @@ def test_exact_buffers_are_registered_and_unregistered_on_the_backends_device_fr
     """The thread's current device is 1, the backend's is 0: both runtime calls run under device 0's guard."""
     module = FakeDeviceModule()
     registrar = FakeRegistrar(module=module)
-    backend = AcceleratorBackend._from_module("cuda", module, device_index=0, registrar=registrar)
+    backend = AcceleratorBackend.from_device_module("cuda", module, device_index=0, registrar=registrar)
     holder = [backend.empty_host(1000, torch.float32)]
     (address,) = registrar.registered
     assert module.log == [("register", address, 0)]
@@ -458,7 +458,7 @@ def test_a_buffer_dropped_while_a_copy_may_still_write_it_is_unregistered_once_t
     """``opt.step(); del opt``: the last copy out to the buffer may still run; nothing else waits for it."""
     module = FakeDeviceModule()
     registrar = FakeRegistrar(module=module)
-    backend = AcceleratorBackend._from_module("cuda", module, registrar=registrar)
+    backend = AcceleratorBackend.from_device_module("cuda", module, registrar=registrar)
     host = backend.empty_host(1000, torch.float32)
     backend.copy(host, torch.ones(1000), stream=backend.new_stream())
     (address,) = registrar.registered
@@ -475,7 +475,7 @@ def test_a_failed_unregistration_is_a_warning_and_the_range_is_still_unregistere
 
     module.synchronize = broken_synchronize  # type: ignore[method-assign]
     registrar = FakeRegistrar(module=module)
-    backend = AcceleratorBackend._from_module("cuda", module, registrar=registrar)
+    backend = AcceleratorBackend.from_device_module("cuda", module, registrar=registrar)
     host = backend.empty_host(10, torch.float32)
     (address,) = registrar.registered
     with pytest.warns(PinnedMemoryWarning, match="illegal memory access was encountered"):
@@ -516,7 +516,7 @@ def test_npu_pins_exact_buffers_through_torch_npus_npurt(monkeypatch: pytest.Mon
     registrar = _npu_registrar(monkeypatch, types.SimpleNamespace(npurt=lambda: npurt))
     module = FakeDeviceModule()
     # torch.device("npu") needs torch_npu itself: a cuda-named fake device drives the npu registrar.
-    backend = AcceleratorBackend._from_module("cuda", module, device_index=0, registrar=registrar)
+    backend = AcceleratorBackend.from_device_module("cuda", module, device_index=0, registrar=registrar)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         buffer = backend.empty_host(1000, torch.float32)
@@ -532,7 +532,7 @@ def test_npu_pins_exact_buffers_through_torch_npus_npurt(monkeypatch: pytest.Mon
 def test_a_refused_npu_registration_falls_back_to_the_caching_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
     registrar = _npu_registrar(monkeypatch, types.SimpleNamespace(npurt=lambda: FakeNpurt(refuse=107000)))
     monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
-    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=registrar)
+    backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=registrar)
     with pytest.warns(PinnedMemoryWarning, match="registering it with the driver failed") as caught:
         buffer = backend.empty_host(1000, torch.float32)
     assert f"npuHostRegister({PAGE_BYTES} bytes) failed with ACL error 107000" in str(caught[0].message)
@@ -569,7 +569,7 @@ def test_copies_of_empty_host_buffers_know_they_are_pinned_without_asking_the_dr
     """``is_pinned()`` is a driver query per copy on CUDA: the buffers ``empty_host`` pinned (and their views) are
     known; any other host tensor is still asked."""
     monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
-    backend = AcceleratorBackend._from_module("cuda", FakeDeviceModule(), registrar=FakeRegistrar())
+    backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=FakeRegistrar())
     exact = backend.empty_host(64, torch.float32)
     caching = backend.empty_host(64, torch.float32, mode="caching")
     pageable = torch.zeros(64)
@@ -650,7 +650,7 @@ def test_dense_copies_of_one_non_contiguous_layout_are_flat_copies_with_the_same
     (An npu device cannot be made without torch_npu: the fake cuda backend is told to copy as npu does.)
     """
     monkeypatch.setattr(accelerator, "_FLAT_COPY_DEVICE_TYPES", frozenset({"cuda"}))
-    fake_backend = AcceleratorBackend._from_module("cuda", fake_module)
+    fake_backend = AcceleratorBackend.from_device_module("cuda", fake_module)
     source = torch.arange(1.0, 129.0)
     destination, expected = torch.zeros(128), torch.zeros(128)
     dst_layout(expected).copy_(src_layout(source))
@@ -913,7 +913,7 @@ def test_real_release_and_restore_change_allocated_bytes(real_backend: Accelerat
 
 def test_timing_events_measure_device_time_in_seconds() -> None:
     module = FakeDeviceModule()
-    backend = AcceleratorBackend._from_module("cuda", module)  # type: ignore[arg-type]
+    backend = AcceleratorBackend.from_device_module("cuda", module)  # type: ignore[arg-type]
     start = backend.record_event(backend.compute_stream(), timing=True)
     end = backend.record_event(backend.compute_stream(), timing=True)
     assert backend.elapsed_seconds(start, end) == 0.0025

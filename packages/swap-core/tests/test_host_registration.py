@@ -17,9 +17,9 @@ import torch
 
 from swap_core.backends.host_memory import PAGE_BYTES
 from swap_core.backends.host_registration import (
+    CudaHostRegistrar,
     DeviceBoundRegistrar,
-    _CudaHostRegistrar,
-    _NpuHostRegistrar,
+    NpuHostRegistrar,
     registered_host_buffer,
 )
 from swap_core.torch_compat import TorchCompatError, clear_cuda_last_error, runtime_library_function
@@ -48,7 +48,7 @@ class StatusOnlyCudart:
 
 def test_an_error_the_binding_cannot_describe_is_shown_by_its_number() -> None:
     cudart = StatusOnlyCudart(register_status=9999)
-    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
+    registrar = CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
     with pytest.raises(RuntimeError) as raised:
         registrar.register(PAGE_BYTES, 2 * PAGE_BYTES)
     assert str(raised.value) == f"cudaHostRegister({2 * PAGE_BYTES} bytes) failed with CUDA error 9999"
@@ -57,7 +57,7 @@ def test_an_error_the_binding_cannot_describe_is_shown_by_its_number() -> None:
 
 def test_a_failed_cuda_unregistration_resets_the_last_error_and_names_the_range() -> None:
     cudart = StatusOnlyCudart(unregister_status=1)
-    registrar = _CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
+    registrar = CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
     with pytest.raises(RuntimeError, match=r"^cudaHostUnregister\(0x10000\) failed with CUDA error 1$"):
         registrar.unregister(0x10000)
     assert cudart.last_error == 0
@@ -66,7 +66,7 @@ def test_a_failed_cuda_unregistration_resets_the_last_error_and_names_the_range(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has a CUDA runtime")
 def test_a_torch_without_cuda_refuses_registration_with_a_runtime_error() -> None:
     with pytest.raises(RuntimeError, match="the CUDA runtime is not available"):
-        _CudaHostRegistrar().register(PAGE_BYTES, PAGE_BYTES)
+        CudaHostRegistrar().register(PAGE_BYTES, PAGE_BYTES)
 
 
 def test_npu_registration_failures_name_the_acl_error() -> None:
@@ -77,7 +77,7 @@ def test_npu_registration_failures_name_the_acl_error() -> None:
         def npuHostUnregister(self, address: int) -> int:
             return 507911
 
-    registrar = _NpuHostRegistrar(RefusingNpurt)
+    registrar = NpuHostRegistrar(RefusingNpurt)
     with pytest.raises(RuntimeError, match=rf"^npuHostRegister\({PAGE_BYTES} bytes\) failed with ACL error 107000$"):
         registrar.register(PAGE_BYTES, PAGE_BYTES)
     with pytest.raises(RuntimeError, match=r"^npuHostUnregister\(0x10000\) failed with ACL error 507911$"):
@@ -89,7 +89,7 @@ def test_an_npu_runtime_that_cannot_start_is_a_refused_registration() -> None:
         raise RuntimeError("npu runtime init failed (test)")
 
     with pytest.raises(RuntimeError, match=r"torch_npu's runtime bindings are not available \(npu runtime init"):
-        _NpuHostRegistrar(npurt).register(PAGE_BYTES, PAGE_BYTES)  # type: ignore[arg-type]
+        NpuHostRegistrar(npurt).register(PAGE_BYTES, PAGE_BYTES)  # type: ignore[arg-type]
 
 
 class GuardedDevice:

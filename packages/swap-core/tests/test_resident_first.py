@@ -86,7 +86,7 @@ def test_a_step_that_swaps_nothing_keeps_one_batch_and_no_resident_part() -> Non
 @pytest.fixture
 def residents_planted_last() -> Iterator[None]:
     """The resident update runs after every swapped batch's (where an unordered pipeline could put it)."""
-    run, update_resident = pipeline.PipelineScheduler.run, pipeline.PipelineScheduler._update_resident
+    run, update_resident = pipeline.PipelineScheduler.run, pipeline.PipelineScheduler.update_resident
 
     def run_residents_last(
         self: pipeline.PipelineScheduler, plan: SwapPlan, update: pipeline.UpdateFn, *args: Any, **kwargs: Any

@@ -20,6 +20,7 @@ import torch
 
 import swap_core.optimizer.swap_optimizer as optimizer_module
 from swap_core import SwapConfig, swap_optimizer
+from swap_core.backends.protocol import Stream
 from swap_core.errors import SimRaceError
 from swap_core.runtime.pipeline import PipelineScheduler
 from swap_core.sim import SimBackend
@@ -28,15 +29,16 @@ from swap_core.testing.compare import assert_bitwise_equal
 pytestmark = pytest.mark.sim_only  # the simulator's rules and what they catch
 
 
-def _queued_d2h(sim: SimBackend) -> torch.Tensor:
-    """A host buffer of 4.0s on its way (a queued device-to-host copy; lazy: not run yet)."""
+def _queued_d2h(sim: SimBackend, d2h: Stream | None = None) -> torch.Tensor:
+    """A host buffer of 4.0s on its way (a queued device-to-host copy on ``d2h``, a new stream by default; lazy: not
+    run yet)."""
     device = sim.empty((256,), torch.float32)
     with sim.compute_scope():
         device.fill_(4.0)
     host = sim.empty_host(256, torch.float32)
     with sim.host_scope():
         host.fill_(1.0)
-    d2h = sim.new_stream()
+    d2h = sim.new_stream() if d2h is None else d2h
     sim.wait_event(d2h, sim.record_event(sim.compute_stream()))
     sim.copy(host, device, stream=d2h)
     return host
@@ -76,8 +78,9 @@ def test_writing_a_host_buffer_a_queued_copy_reads_is_a_race_and_reading_it_is_n
 
 def test_waiting_for_the_copy_orders_the_host_after_it() -> None:
     sim = SimBackend(mode="lazy")
-    host = _queued_d2h(sim)
-    done = sim.record_event(sim._scheduler.copy_streams[0])  # type: ignore[attr-defined]  # the copy's stream
+    d2h = sim.new_stream()
+    host = _queued_d2h(sim, d2h)
+    done = sim.record_event(d2h)  # the copy's stream
     done.synchronize()
     with sim.host_scope():
         assert host.sum().item() == 1024.0

@@ -226,7 +226,7 @@ def test_a_steps_modeled_seconds_are_the_same_in_every_simulator_mode() -> None:
 @pytest.fixture
 def planted_wait() -> Iterator[None]:
     """The update of batch i also waits for the copy-out of batch i - 1: an extra wait that serializes."""
-    update, offload = pipeline.PipelineScheduler._update, pipeline.PipelineScheduler._offload
+    update, offload = pipeline.PipelineScheduler.update_batch, pipeline.PipelineScheduler.offload_batch
     last: dict[int, object] = {}
 
     def offload_and_remember(self: pipeline.PipelineScheduler, batch: object, stats: object) -> object:
@@ -240,8 +240,8 @@ def planted_wait() -> Iterator[None]:
         update(self, *args)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pipeline.PipelineScheduler, "_offload", offload_and_remember)
-        patch.setattr(pipeline.PipelineScheduler, "_update", update_after_previous_offload)
+        patch.setattr(pipeline.PipelineScheduler, "offload_batch", offload_and_remember)
+        patch.setattr(pipeline.PipelineScheduler, "update_batch", update_after_previous_offload)
         yield
 
 
@@ -377,7 +377,7 @@ def test_a_cold_step_of_large_tensors_stays_at_the_bound_with_many_batches(swap_
 @pytest.fixture
 def whole_arena_after_first_half() -> Iterator[None]:
     """A missing wait: the copy-in of batch i + 1 waits only for the first half of batch i - 1's copy-out."""
-    prefetch = pipeline.PipelineScheduler._prefetch
+    prefetch = pipeline.PipelineScheduler.prefetch_batch
 
     def prefetch_too_early(
         self: pipeline.PipelineScheduler, batch: object, stats: object, *, packed: bool, reused: object = None
@@ -387,7 +387,7 @@ def whole_arena_after_first_half() -> Iterator[None]:
         return prefetch(self, batch, stats, packed=packed, reused=reused)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pipeline.PipelineScheduler, "_prefetch", prefetch_too_early)
+        patch.setattr(pipeline.PipelineScheduler, "prefetch_batch", prefetch_too_early)
         yield
 
 

@@ -30,7 +30,7 @@ from swap_core.backends.protocol import Event, ModeledTimes, Stream
 from swap_core.backends.tensor_layout import is_dense, spans_whole_storage
 from swap_core.torch_compat import TorchCompatError, host_empty_cache
 
-__all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "accelerator_available"]
+__all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "DeviceModule", "accelerator_available"]
 
 SUPPORTED_DEVICE_TYPES: tuple[str, ...] = ("cuda", "npu", "xpu")
 """Device types :class:`AcceleratorBackend` drives."""
@@ -67,7 +67,7 @@ class _DeviceEvent(Protocol):
     def synchronize(self) -> None: ...
 
 
-class _DeviceModule(Protocol):
+class DeviceModule(Protocol):
     """The part of ``torch.cuda`` / ``torch.npu`` / ``torch.xpu`` this backend uses."""
 
     def is_available(self) -> bool: ...
@@ -109,21 +109,23 @@ class AcceleratorBackend:
         self._setup(device_type, _load_device_module(device_type), device_index, None)
 
     @classmethod
-    def _from_module(
+    def from_device_module(
         cls,
         device_type: str,
-        module: _DeviceModule,
+        module: DeviceModule,
         device_index: int | None = None,
         registrar: HostRegistrar | None = None,
     ) -> AcceleratorBackend:
-        """A backend over an explicit device module (and runtime host registrar, which the backend binds to its
-        device), skipping the availability check."""
+        """A backend over an explicit device module: ``torch.cuda``, ``torch_npu.npu``, or any object with the
+        members of :class:`DeviceModule` (a test's fake device, an out-of-tree accelerator's module), and
+        optionally the runtime's host registrar (which the backend binds to its device). The module is taken as
+        it is: the availability check of ``AcceleratorBackend(device_type)`` is skipped."""
         backend = cls.__new__(cls)
         backend._setup(device_type, module, device_index, registrar)
         return backend
 
     def _setup(
-        self, device_type: str, module: _DeviceModule, device_index: int | None, registrar: HostRegistrar | None
+        self, device_type: str, module: DeviceModule, device_index: int | None, registrar: HostRegistrar | None
     ) -> None:
         index = module.current_device() if device_index is None else device_index
         count = module.device_count()
@@ -374,7 +376,7 @@ def accelerator_available(device_type: str) -> bool:
     return True
 
 
-def _load_device_module(device_type: str) -> _DeviceModule:
+def _load_device_module(device_type: str) -> DeviceModule:
     if device_type not in SUPPORTED_DEVICE_TYPES:
         raise ValueError(
             f"Unsupported accelerator device type {device_type!r}; AcceleratorBackend supports "
@@ -393,7 +395,7 @@ def _load_device_module(device_type: str) -> _DeviceModule:
         raise RuntimeError(unavailable) from error
     if not module.is_available():
         raise RuntimeError(unavailable)
-    return cast(_DeviceModule, module)
+    return cast(DeviceModule, module)
 
 
 def _empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -40,7 +40,15 @@ from ..errors import PinnedMemoryWarning
 from ..torch_compat import TorchCompatError, clear_cuda_last_error
 from .host_memory import PAGE_BYTES, pinned_size
 
-__all__ = ["DeviceBoundRegistrar", "HostRegistrar", "RegistrationDevice", "host_registrar", "registered_host_buffer"]
+__all__ = [
+    "CudaHostRegistrar",
+    "DeviceBoundRegistrar",
+    "HostRegistrar",
+    "NpuHostRegistrar",
+    "RegistrationDevice",
+    "host_registrar",
+    "registered_host_buffer",
+]
 
 _ACL_HOST_REG_PINNED = 0x10000000
 """``aclrtHostRegisterV2``'s flag for page-locking only: the analogue of ``cudaHostRegisterDefault`` and what
@@ -117,7 +125,7 @@ def _torch_cudart() -> _CudaRuntime:
         raise RuntimeError(f"the CUDA runtime is not available ({error})") from error
 
 
-class _CudaHostRegistrar:
+class CudaHostRegistrar:
     """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's CUDA runtime bindings (loaded when first used).
 
     ``cudart`` and ``clear_last_error`` stand in for ``torch.cuda.cudart`` and the runtime's
@@ -177,7 +185,7 @@ class _NpuRuntime(Protocol):
     def npuHostUnregister(self, address: int) -> SupportsInt: ...
 
 
-class _NpuHostRegistrar:
+class NpuHostRegistrar:
     """``npuHostRegister`` / ``npuHostUnregister`` (``aclrtHostRegisterV2``, page-locking only) through
     torch_npu's runtime bindings; torch_npu's ``is_pinned`` recognises memory registered this way."""
 
@@ -208,10 +216,10 @@ def host_registrar(device_type: str) -> HostRegistrar | None:
     torch_npu offers ``torch.npu.npurt()`` (looked up, never imported here). xpu: none.
     """
     if device_type == "cuda":
-        return _CudaHostRegistrar()
+        return CudaHostRegistrar()
     if device_type == "npu":
         npurt = getattr(getattr(torch, "npu", None), "npurt", None)
-        return _NpuHostRegistrar(npurt) if callable(npurt) else None
+        return NpuHostRegistrar(npurt) if callable(npurt) else None
     return None
 
 

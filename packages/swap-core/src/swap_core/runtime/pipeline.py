@@ -61,7 +61,12 @@ class Offloaded(NamedTuple):
 
 
 class PipelineScheduler:
-    """Runs one step's transfers and updates on the backend's streams."""
+    """Runs one step's transfers and updates on the backend's streams.
+
+    Each batch goes through four stages, one method each (:meth:`prefetch_batch`, :meth:`update_batch`,
+    :meth:`offload_batch`, and :meth:`update_resident` for the resident part): the simulator's planted-bug tests
+    replace one stage to prove that a missing or an extra wait fails a test.
+    """
 
     def __init__(self, backend: DeviceBackend, *, duplex: bool) -> None:
         self.backend = backend
@@ -95,7 +100,7 @@ class PipelineScheduler:
             plan.arenas.acquire()
         counted = SwapStats()
         try:
-            event = self._prefetch(plan.batches[0], counted, packed=packed)
+            event = self.prefetch_batch(plan.batches[0], counted, packed=packed)
         except BaseException:
             self._free_first_batch(plan)
             raise
@@ -125,7 +130,7 @@ class PipelineScheduler:
         ]
         if not batches:
             if plan.resident is not None:
-                self._update_resident(plan.resident, update)
+                self.update_resident(plan.resident, update)
             self._finish_trace(trace)
             return
         packed = plan.arenas is not None
@@ -141,7 +146,7 @@ class PipelineScheduler:
             if not packed and position >= 2:  # it takes the memory the batch two before used
                 self._reclaim(batches[position - 2], offloaded[position - 2].done)
             reused = last_out_of.get(batch.arena_index) if packed else None
-            prefetched[position] = self._prefetch(batch, stats, packed=packed, reused=reused)
+            prefetched[position] = self.prefetch_batch(batch, stats, packed=packed, reused=reused)
 
         # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
         resident_at = 1 if early is not None and len(batches) > 1 else 0
@@ -160,9 +165,9 @@ class PipelineScheduler:
                 if following is not None and not shares_arena:
                     prefetch(following)
                 if position == resident_at and plan.resident is not None:
-                    self._update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
-                self._update(batch, prefetched[position], update)
-                offloaded.append(self._offload(batch, stats))
+                    self.update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
+                self.update_batch(batch, prefetched[position], update)
+                offloaded.append(self.offload_batch(batch, stats))
                 last_out_of[batch.arena_index] = offloaded[-1]
                 if following is not None and shares_arena:
                     prefetch(following)
@@ -221,7 +226,7 @@ class PipelineScheduler:
         self._finish_offloads()
 
     # -- the three moves ------------------------------------------------------
-    def _prefetch(
+    def prefetch_batch(
         self, batch: PlannedBatch, stats: SwapStats, *, packed: bool, reused: Offloaded | None = None
     ) -> Event:
         """Copy ``batch`` in; ``reused``: the offload of the batch whose arena it takes (packed mode)."""
@@ -245,7 +250,8 @@ class PipelineScheduler:
             self._span(batch, "h2d", started, self.h2d, nbytes)
             return self.backend.record_event(self.h2d)
 
-    def _update(self, batch: PlannedBatch, prefetched: Event, update: UpdateFn) -> None:
+    def update_batch(self, batch: PlannedBatch, prefetched: Event, update: UpdateFn) -> None:
+        """Update ``batch`` on the compute stream once its copy-in (``prefetched``) has landed."""
         self.backend.wait_event(self.compute, prefetched)
         transition(batch.slots, SlotState.H2D, SlotState.DEVICE)
         started = self._mark(self.compute)
@@ -253,14 +259,15 @@ class PipelineScheduler:
             update(batch)
         self._span(batch, "update", started, self.compute, 0)
 
-    def _update_resident(self, resident: PlannedBatch, update: UpdateFn) -> None:
+    def update_resident(self, resident: PlannedBatch, update: UpdateFn) -> None:
         """The parameters without swapped states: nothing to wait for, so they go first on the compute stream."""
         started = self._mark(self.compute)
         with _profiler_range("swap::update"), self.backend.compute_scope():
             update(resident)
         self._span(resident, "update", started, self.compute, 0)
 
-    def _offload(self, batch: PlannedBatch, stats: SwapStats) -> Offloaded:
+    def offload_batch(self, batch: PlannedBatch, stats: SwapStats) -> Offloaded:
+        """Copy ``batch``'s updated states out to their host mirrors, after its update on the compute stream."""
         with _profiler_range("swap::offload"):
             self._after_compute(self.d2h)
             started = self._mark(self.d2h)
@@ -375,7 +382,7 @@ class PipelineScheduler:
             return
         for batch in list(self._stranded):
             try:
-                self._offload(batch, SwapStats())
+                self.offload_batch(batch, SwapStats())
             except Exception as error:
                 if final:
                     raise SwapStateError(
