@@ -126,8 +126,10 @@ def test_an_out_of_memory_while_staging_replans_with_more_batches_once() -> None
                 warnings.simplefilter("always")
                 optimizer.step()
             if optimizer is swapped and step == 0:
-                said = [str(warning.message) for warning in caught if issubclass(warning.category, ResourceWarning)]
+                retry = [warning for warning in caught if issubclass(warning.category, ResourceWarning)]
+                said = [str(warning.message) for warning in retry]
                 assert said and "re-planned with" in said[0] and "Nothing was updated" in said[0], said
+                assert retry[0].filename == __file__, f"the warning points at {retry[0].filename}, not the step"
     for index, (expected, actual) in enumerate(zip(reference_params, params, strict=True)):
         assert_bitwise_equal(expected, actual, f"parameter {index} after the retried step")
     assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after the retried step")

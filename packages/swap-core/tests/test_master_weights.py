@@ -370,8 +370,11 @@ def test_states_made_before_wrapping_get_masters_from_the_params_with_one_warnin
     reference = MasterReference([param.detach().clone() for param in params], rmsprop)
     reference.optimizer.load_state_dict(plain.state_dict())  # torch casts them to the masters' fp32
     config = SwapConfig(backend=SimBackend(mode="random", seed=2), swap_times=2, min_numel=64, master_weights=True)
-    with pytest.warns(UserWarning, match=r"^4 bfloat16/float16 parameter\(s\) had optimizer states before wrapping"):
+    with pytest.warns(
+        UserWarning, match=r"^4 bfloat16/float16 parameter\(s\) had optimizer states before wrapping"
+    ) as said:
         optimizer = swap_optimizer(plain, config)
+    assert said[0].filename == __file__, "the warning points at the line that wrapped the optimizer"
     low = [param for param in params if param.dtype != torch.float32]
     assert {value.dtype for param in low for key, value in optimizer.state[param].items() if key != "step"} == {
         torch.float32

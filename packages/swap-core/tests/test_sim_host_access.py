@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import swap_core.optimizer.swap_optimizer as optimizer_module
+import swap_core.optimizer.swapping as optimizer_module
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.backends.protocol import Stream
 from swap_core.errors import SimRaceError

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -13,6 +12,7 @@ from ..config import SwapConfig
 from ..errors import DeviceMemoryError
 from ..runtime.auto_batches import AUTO_NEEDS_MEMORY, fewest_batches_that_fit
 from ..runtime.plan import SwapPlan
+from ..user_warnings import warn_user
 
 __all__ = ["AutoBatching"]
 
@@ -76,11 +76,10 @@ class AutoBatching:
         if batches >= most:
             return False  # one parameter per batch already
         self.floor = min(2 * batches, most)
-        warnings.warn(
+        warn_user(
             f"swap_times='auto': the device ran out of memory staging {batches} batches ({error}); re-planned with "
             f"{self.floor} batches and running the step again. Nothing was updated before the retry",
             ResourceWarning,
-            stacklevel=5,
         )
         return True
 

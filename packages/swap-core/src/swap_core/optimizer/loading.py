@@ -8,7 +8,6 @@ and what it loaded is then taken over into host memory.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..torch_compat import (
     hook_registries_set_aside,
     load_state_dict_hook_registries,
 )
+from ..user_warnings import warn_user
 from .state_sync import StateSync
 from .wrapping import overrides
 
@@ -74,14 +74,14 @@ def load_state_dict(
                 optimizer.load_state_dict(dict(adapter.import_state_dict(state_dict)))
             sync.follow_edits(sync.ordered_params())
             if sync.master_weights:
-                make_masters_of_existing_states(sync, PLAIN_CHECKPOINT, stacklevel=4)
+                make_masters_of_existing_states(sync, PLAIN_CHECKPOINT)
         else:
-            _load_swapped(sync, state_dict, stacklevel=4)
+            _load_swapped(sync, state_dict)
     for post_hook in post_hooks.values():
         post_hook(wrapper)
 
 
-def make_masters_of_existing_states(sync: StateSync, warning: str, *, stacklevel: int) -> None:
+def make_masters_of_existing_states(sync: StateSync, warning: str) -> None:
     """States without masters (made before wrapping, or loaded by the optimizer's own method): masters from params.
 
     An optimizer stepped before wrapping, or one whose constructor makes states (Adagrad's ``sum``),
@@ -100,15 +100,11 @@ def make_masters_of_existing_states(sync: StateSync, warning: str, *, stacklevel
         return
     with hook_registries_set_aside(sync.optimizer, STATE_DICT_HOOKS):
         plain = torch.optim.Optimizer.state_dict(sync.optimizer)
-    _load_swapped(sync, plain, stacklevel=stacklevel + 1, warn_of_made_masters=False)
-    warnings.warn(
-        warning.format(count=len(lacking), name=type(sync.optimizer).__name__), UserWarning, stacklevel=stacklevel
-    )
+    _load_swapped(sync, plain, warn_of_made_masters=False)
+    warn_user(warning.format(count=len(lacking), name=type(sync.optimizer).__name__), UserWarning)
 
 
-def _load_swapped(
-    sync: StateSync, state_dict: Mapping[str, Any], *, stacklevel: int, warn_of_made_masters: bool = True
-) -> None:
+def _load_swapped(sync: StateSync, state_dict: Mapping[str, Any], *, warn_of_made_masters: bool = True) -> None:
     """Stage ``state_dict`` in host memory, checked completely, then commit it (the swapped path)."""
     ordered = sync.ordered_params()
     sync.follow_edits(ordered)
@@ -117,11 +113,9 @@ def _load_swapped(
     staged = load_swapped_state(sync.param_groups, sync.adapter, store, state_dict, master_weights=sync.master_weights)
     groups, state, loaded = staged.param_groups, staged.state, staged.swapped
     if staged.masters_from_params and warn_of_made_masters:
-        warnings.warn(PLAIN_CHECKPOINT.format(count=staged.masters_from_params), UserWarning, stacklevel=stacklevel)
+        warn_user(PLAIN_CHECKPOINT.format(count=staged.masters_from_params), UserWarning)
     if staged.low_precision_masters:
-        warnings.warn(
-            _LOW_PRECISION_MASTERS.format(count=staged.low_precision_masters), UserWarning, stacklevel=stacklevel
-        )
+        warn_user(_LOW_PRECISION_MASTERS.format(count=staged.low_precision_masters), UserWarning)
     if sync.store.load_in_place(loaded, state):
         # The loaded layout is the live one (a resume): the mirrors took the values, nothing was allocated.
         store = sync.store

@@ -20,15 +20,15 @@ from ..adapters.base import StateInit, StateSwapAdapter
 from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
-from ..master_weights import MASTER_KEY, has_master, is_fresh, master_problem, stand_in, without_master
+from ..master_weights import MASTER_KEY, has_master, is_fresh
 from ..runtime.dtensor import local_tensor, shard_layout
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.slots import SwapSlot, layout_stride
 from ..runtime.store import StateSource, StateStore
 from ..runtime.tracked_state import TrackedState
-from .wrapping import check_distinct_params, check_master_weights_supported, swap_keys
+from .wrapping import as_updated, check_distinct_params, check_master_weights_supported, check_states, swap_keys
 
-__all__ = ["NO_ENTRY", "StateSync", "as_updated", "check_states"]
+__all__ = ["NO_ENTRY", "StateSync"]
 
 Layout = tuple[list[int], list[int]]
 """Identity of ``param_groups``: the ids of the parameters in order, and the size of each group."""
@@ -391,42 +391,3 @@ def _slot_like(like: torch.Tensor, key: str, dtype: torch.dtype, *, param: torch
     local = local_tensor(like)
     owner = param if param is not None else like
     return SwapSlot(owner, key, local.shape, dtype, shard_layout(like), layout_stride(local))
-
-
-def check_states(
-    optimizer: torch.optim.Optimizer,
-    adapter: StateSwapAdapter,
-    params: Sequence[tuple[int, torch.Tensor]],
-    error: Callable[[str], Exception],
-    *,
-    master_weights: bool,
-    masters_to_make: bool = False,
-) -> None:
-    """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use.
-
-    ``params`` are ``(group index, parameter)``. ``masters_to_make``: a state without a master is to get one (made
-    before wrapping), so only the adapter is asked about it.
-    """
-    for index, (group_index, param) in enumerate(params):
-        state = optimizer.state.get(param)
-        if not state:
-            continue
-        problem = None
-        if master_weights and has_master(param):
-            if not (masters_to_make and MASTER_KEY not in state):
-                problem = master_problem(param, state)
-            state = without_master(state)
-        if problem is None:
-            updated = as_updated(param, master_weights=master_weights)
-            problem = adapter.state_mismatch(updated, optimizer.param_groups[group_index], state)
-        if problem is not None:
-            raise error(
-                f"The state of parameter {index} (param group {group_index}, shape {tuple(param.shape)}) "
-                f"{problem}: {type(optimizer).__name__}'s update cannot use it, and nothing was changed. "
-                "Load a complete checkpoint, or reset the entry (del optimizer.state[param]) to start it afresh"
-            )
-
-
-def as_updated(param: torch.Tensor, *, master_weights: bool) -> torch.Tensor:
-    """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
-    return stand_in(param) if master_weights and has_master(param) else param

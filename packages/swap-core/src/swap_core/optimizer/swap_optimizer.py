@@ -21,37 +21,30 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 
 from ..adapters.base import AdapterFactory, StateSwapAdapter
-from ..adapters.overrides import check_instance_step
 from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend, ModeledTimes
-from ..backward_prefetch import BackwardPrefetch
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
-from ..master_weights import MASTER_KEY, outside_step_on_masters
-from ..runtime.auto_batches import AUTO_NEEDS_MEMORY
-from ..runtime.pipeline import PipelineScheduler, drain_in_flight_copies
+from ..master_weights import outside_step_on_masters
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
 from ..stats import SwapStats
 from ..torch_compat import note_step_for_lr_schedulers, share_hook_registries, step_hooks_silenced
 from ..trace import StepTrace
-from .auto_batching import AutoBatching
-from .loading import STATES_BEFORE_WRAPPING, load_state_dict, make_masters_of_existing_states
+from .loading import load_state_dict
 from .outside_step import check_outside_step_methods, offer_outside_step_methods
-from .plan_cache import PlanCache
-from .state_sync import StateSync, check_states
-from .step_run import StepRun
+from .swapping import Swapping
 from .wrapping import (
     WRAPPERS,
+    check_arguments,
     check_distinct_params,
     check_master_weights_supported,
-    check_not_wrapped,
-    check_state_assignable,
+    check_wrapped_state,
     exported,
     group_params,
+    make_adapter,
     overrides,
     remove_swap_hooks,
-    swap_keys,
     synchronized,
 )
 
@@ -94,57 +87,24 @@ class SwapOptimizer(torch.optim.Optimizer):
         config: SwapConfig | None = None,
         adapter_factory: AdapterFactory | None = None,
     ) -> None:
-        if isinstance(optimizer, SwapOptimizer):
-            raise ValueError("The optimizer is already a SwapOptimizer; wrap the plain torch optimizer once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if config is None:
-            config = SwapConfig()
-        if not isinstance(config, SwapConfig):
-            raise TypeError(f"config must be a SwapConfig, got {type(config).__name__}")
-        if adapter_factory is None:
-            raise TypeError("SwapOptimizer needs an adapter_factory; use swap_optimizer() to find one automatically")
-        # Everything that can refuse runs before anything (the wrapped optimizer included) changes.
-        check_not_wrapped(optimizer)
-        check_state_assignable(optimizer)
-        check_instance_step(optimizer)
-        check_distinct_params(optimizer.param_groups)
+        optimizer, config, adapter_factory = check_arguments(SwapOptimizer, optimizer, config, adapter_factory)
         self.optimizer = optimizer
         self.config = config
         self._adapter_factory = adapter_factory
-        with _masters_set_aside(optimizer) if config.master_weights else contextlib.nullcontext():
-            # An adapter reads existing states as its optimizer would have made them (a deep copy's, a
-            # checkpoint's loaded before wrapping): the masters are swap's, not the optimizer's.
-            self.adapter: StateSwapAdapter = adapter_factory(optimizer)
+        self.adapter: StateSwapAdapter = make_adapter(optimizer, config, adapter_factory)
         check_outside_step_methods(type(self), optimizer, self.adapter)
         params = [param for group in optimizer.param_groups for param in group["params"]]
         self.backend: DeviceBackend | None = select_backend(
             config.backend, params, master_weights=config.master_weights
         )
-        swap_keys(optimizer, self.adapter, config)  # refuses unknown state_keys
-        if config.swap_times == "auto" and self.backend is not None and self.backend.available_device_bytes() is None:
-            raise ValueError(AUTO_NEEDS_MEMORY.format(backend=self.backend.name))
-        if config.master_weights:
-            check_master_weights_supported(optimizer, self.adapter, params)
-        if self.backend is not None:  # unswapped (CPU parameters), the wrapped optimizer's step takes any state
-            # States made before wrapping without masters (Adagrad's constructor makes them) get theirs below.
-            check_states(
-                optimizer,
-                self.adapter,
-                [(index, param) for index, group in enumerate(optimizer.param_groups) for param in group["params"]],
-                UnsupportedOptimizerError,
-                master_weights=config.master_weights,
-                masters_to_make=True,
-            )
+        check_wrapped_state(optimizer, self.adapter, config, self.backend)
         self.stats = SwapStats()
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
         # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them.
         self._step_supports_amp_scaling = getattr(optimizer, "_step_supports_amp_scaling", False)
-        self._scheduler: PipelineScheduler | None = None
-        self._sync: StateSync | None = None
-        self._plans: PlanCache | None = None
-        self._backward_prefetch: BackwardPrefetch | None = None
+        self._swapping: Swapping | None = None
+        """The runtime, where anything is swapped (``None``: CPU parameters, the wrapped optimizer steps alone)."""
         original_state = optimizer.state
         try:
             self._share_hooks()
@@ -153,29 +113,14 @@ class SwapOptimizer(torch.optim.Optimizer):
             # First post-hook: user hooks see the checkpoint form of the state dict.
             self.register_state_dict_post_hook(exported(self.adapter), prepend=True)
             if self.backend is not None:
-                self._start_swapping(self.backend)
+                self._swapping = Swapping.start(self, optimizer, self.adapter, config, self.backend)
         except BaseException:
             # The wrapped optimizer is left as it was: its own state mapping, none of swap's hooks.
             optimizer.state = original_state
             remove_swap_hooks(optimizer)
             raise
-        if config.prefetch == "backward" and self.backend is not None:
-            self._backward_prefetch = BackwardPrefetch(self, self._prefetch_from_backward)
-            self._arm_backward_prefetch(after_step=False)  # states loaded or deep-copied: the first backward prefetches
         WRAPPERS[optimizer] = weakref.ref(self)
         offer_outside_step_methods(self, self.adapter)
-
-    def _start_swapping(self, backend: DeviceBackend) -> None:
-        """The runtime takes over the wrapped optimizer's states: host mirrors, masters, the plan's cache."""
-        scheduler = PipelineScheduler(backend, duplex=self.config.duplex)
-        sync = StateSync(self.optimizer, self.adapter, self.config, backend, scheduler)
-        self._scheduler, self._sync = scheduler, sync
-        weakref.finalize(self, drain_in_flight_copies, scheduler)
-        auto = AutoBatching(self.config, backend) if self.config.swap_times == "auto" else None
-        self._plans = PlanCache(sync, auto)
-        sync.start()  # existing states move to host memory (may find the host too small)
-        if self.config.master_weights:
-            make_masters_of_existing_states(sync, STATES_BEFORE_WRAPPING, stacklevel=5)
 
     def outside_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped optimizer's method ``name``, one that reads and writes parameters and states outside
@@ -193,10 +138,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                 f"{type(self.adapter).__name__} names {self.adapter.outside_step_methods or 'none'}"
             )
         method = functools.partial(getattr(type(self.optimizer), name), self.optimizer, *args, **kwargs)
-        if self._scheduler is None:
+        if self._swapping is None:
             return method()
         self.synchronize()
-        self._scheduler.discard_prefetch()
+        self._swapping.scheduler.discard_prefetch()
         if not self.config.master_weights:
             return method()
         assert self.backend is not None
@@ -281,51 +226,24 @@ class SwapOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with self._amp_attributes_forwarded():
-            if self._sync is None or self._plans is None or self.backend is None:
+            swapping = self._swapping
+            if swapping is None:
                 with step_hooks_silenced(self.optimizer):  # this step's hooks ran: not again for the wrapped one
                     self.optimizer.step()
                 return loss
             started = time.perf_counter()
-            modeled_start = self.backend.modeled_times()
-            if modeled_start is not None and not self._sync.scheduler.prefetched:
-                self.backend.start_transfer_window()  # else prefetch() started it: its copy-in is this step's first
-            with self._sync.scheduler.working():  # reads of the state here wait for nothing
-                stats, trace, plan = self._run_step(self._sync, self._plans)
-            if self._backward_prefetch is not None:
-                self._arm_backward_prefetch(after_step=True)
-            self._sync.empty_host_cache_after_relayout()
-            self.trace = trace
+            backend = swapping.sync.backend
+            modeled_start = backend.modeled_times()
+            if modeled_start is not None and not swapping.scheduler.prefetched:
+                backend.start_transfer_window()  # else prefetch() started it: its copy-in is this step's first
+            stats, self.trace, plan = swapping.run_step(trace=self.config.trace)
             note_step_for_lr_schedulers(self.optimizer)
-        stats.resident_state_device_bytes = self._plans.resident_bytes
-        stats.host_state_bytes = self._sync.store.host_bytes
-        stats.host_pinned_bytes = self._sync.store.host_pinned_bytes
-        stats.peak_state_device_bytes = plan.peak_staging_bytes + self._plans.resident_bytes
+        swapping.count_memory(stats, plan)
         stats.step_seconds = time.perf_counter() - started
-        stats.available_device_bytes = self._plans.auto.available if self._plans.auto is not None else None
         if modeled_start is not None:
-            _set_modeled_seconds(stats, modeled_start, self.backend.modeled_times())
+            _set_modeled_seconds(stats, modeled_start, backend.modeled_times())
         self.stats = stats
         return loss
-
-    def _run_step(self, sync: StateSync, plans: PlanCache) -> tuple[SwapStats, StepTrace | None, SwapPlan]:
-        """A :class:`StepRun` on the batches; with ``swap_times="auto"``, a second one with twice the batches after an
-        out-of-memory that left everything as it was."""
-        stats, trace, run = SwapStats(), StepTrace() if self.config.trace else None, StepRun(sync, plans)
-        try:
-            return stats, trace, run.run(stats, trace)
-        except torch.OutOfMemoryError as error:
-            if plans.auto is None or not plans.auto.more_batches_after(error, run.batches_updated):
-                raise
-        finally:
-            run.release()  # zero_grad(set_to_none=True) must be able to free the gradients
-        plans.drop()
-        stats, trace, run = SwapStats(), StepTrace() if self.config.trace else None, StepRun(sync, plans)
-        try:
-            return stats, trace, run.run(stats, trace)
-        except torch.OutOfMemoryError as again:
-            raise plans.auto.still_out_of_memory(again, plans.last) from again
-        finally:
-            run.release()
 
     def prefetch(self) -> None:
         """Start copying the first batch's states to the device now, ahead of ``step()`` (e.g. right after backward).
@@ -340,46 +258,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         copy already made would miss); a host tensor kept from an earlier read and written in place after the
         copy started would not reach that step.
         """
-        sync, plans = self._sync, self._plans
-        if sync is None or plans is None or sync.scheduler.prefetched:
-            return
-        with sync.scheduler.working():
-            sync.follow_edits(sync.ordered_params())
-            plan = plans.current()
-            if not plan.batches or not plan.batches[0].slots:  # nothing to copy in yet: the first step makes the states
-                return
-            sync.backend.start_transfer_window()
-            sync.scheduler.prefetch(plan)
-
-    def _prefetch_from_backward(self) -> None:
-        """:meth:`prefetch` from a gradient hook: on the stream the steps run on, whatever stream the hook runs under
-        (FSDP2 runs post-accumulate-grad hooks under its post-reduce stream: staging allocated there would belong
-        to that stream's pool, and the copy-in, ordered after the step's stream only, could overwrite a block the
-        reduce-scatter still reads)."""
-        assert self._sync is not None
-        with self._sync.backend.stream(self._sync.scheduler.compute):
-            self.prefetch()
+        if self._swapping is not None:
+            self._swapping.prefetching.prefetch()
 
     @property
     def prefetched(self) -> bool:
         """Whether the next step's first copy-in is already issued (by :meth:`prefetch`, or from the backward with
         ``SwapConfig(prefetch="backward")``); ``False`` again once a step ran."""
-        return self._scheduler is not None and self._scheduler.prefetched
-
-    def _arm_backward_prefetch(self, *, after_step: bool) -> None:
-        """``prefetch="backward"``: the next backward prefetches once the first batch's gradients are final.
-
-        Awaited are the parameters of the batch the next step walks first that had a gradient in the step
-        that just ran (``after_step``; before any step: those that require one). See
-        :mod:`swap_core.backward_prefetch` for the rules and why an early prefetch stays right.
-        """
-        assert self._backward_prefetch is not None
-        assert self._plans is not None
-        plan = self._plans.current()
-        first = [param for _, param in plan.batches[0].params] if plan.batches else []
-        self._backward_prefetch.arm(
-            param for param in first if (param.grad is not None if after_step else param.requires_grad)
-        )
+        return self._swapping is not None and self._swapping.prefetching.prefetched
 
     @contextlib.contextmanager
     def _amp_attributes_forwarded(self) -> Iterator[None]:
@@ -404,28 +290,29 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         Raises ``ValueError`` when nothing is swapped (CPU parameters with ``backend="auto"``).
         """
-        if self._sync is None or self._plans is None:
+        if self._swapping is None:
             raise ValueError(
                 "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto'), so it plans no "
                 "batches; give its parameters an accelerator or pass SwapConfig(backend=...)"
             )
-        self._sync.follow_edits(self._sync.ordered_params())
-        return self._plans.current()
+        sync = self._swapping.sync
+        sync.follow_edits(sync.ordered_params())
+        return self._swapping.plans.current()
 
     def host_layout(self) -> HostLayout:
         """Which states are swapped and how their host memory is laid out, as of now (a read-only snapshot).
 
         Raises ``ValueError`` when nothing is swapped (CPU parameters with ``backend="auto"``).
         """
-        if self._sync is None:
+        if self._swapping is None:
             raise ValueError("This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto')")
-        return self._sync.store.host_layout()
+        return self._swapping.sync.store.host_layout()
 
     # -- synchronization and state dicts -------------------------------------
     def synchronize(self) -> None:
         """Block until every offload has finished, so host mirrors in ``state`` are current."""
-        if self._scheduler is not None:
-            self._scheduler.synchronize()
+        if self._swapping is not None:
+            self._swapping.scheduler.synchronize()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``, exactly, with swapped states as host tensors.
@@ -455,8 +342,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         keep it. Checkpointing uses it instead of torch's initializing step (zero gradients, lr 0),
         which would stream every state through the device once and count a step.
         """
-        sync = self._sync
-        if sync is None:
+        if self._swapping is None:
             raise RuntimeError(
                 "initialize_state() needs a swap backend; with CPU parameters the wrapped optimizer runs "
                 "unswapped and creates its states on its first step"
@@ -468,6 +354,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 "once instead (or load a checkpoint of this optimizer)"
             )
         self.synchronize()
+        sync = self._swapping.sync
         sync.follow_edits(sync.ordered_params())
         sync.create_missing_states(
             (group_index, param) for group_index, param in sync.ordered_params_with_groups() if param.requires_grad
@@ -490,7 +377,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         copy at all. Otherwise the new layout is built in new host memory first and
         the old one is freed after it.
         """
-        load_state_dict(self, self.optimizer, self.adapter, self._sync, state_dict)
+        load_state_dict(
+            self, self.optimizer, self.adapter, None if self._swapping is None else self._swapping.sync, state_dict
+        )
 
     # -- parameters -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -501,13 +390,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         check_distinct_params([*self.param_groups, param_group])
         if self.config.master_weights:
             check_master_weights_supported(self.optimizer, self.adapter, param_group["params"])
-        if self._sync is None or self.backend is None:
+        if self._swapping is None:
             self.optimizer.add_param_group(param_group)
             return
-        select_backend(self.backend, [*self._sync.ordered_params(), *param_group["params"]])
+        sync = self._swapping.sync
+        select_backend(sync.backend, [*sync.ordered_params(), *param_group["params"]])
         self.synchronize()
         self.optimizer.add_param_group(param_group)
-        self._sync.follow_edits(self._sync.ordered_params())
+        sync.follow_edits(sync.ordered_params())
 
     def reset_optimizer_parameters(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Re-bind the optimizer after the model's parameter objects changed.
@@ -520,11 +410,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         if new_to_old_param:
             self._rebind(new_to_old_param)
-        if self._sync is None:
+        if self._swapping is None:
             self.adapter.params_changed([param for group in self.param_groups for param in group["params"]])
             return
-        self._sync.forget_layout()  # re-plan even when the order looks unchanged
-        self._sync.follow_edits(self._sync.ordered_params())
+        sync = self._swapping.sync
+        sync.forget_layout()  # re-plan even when the order looks unchanged
+        sync.follow_edits(sync.ordered_params())
 
     def _rebind(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
         current = {id(param) for group in self.param_groups for param in group["params"]}
@@ -543,8 +434,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         for new, old in new_to_old_param.items():
             if old in self.state:
                 self.state[new] = self.state.pop(old)
-        if self._sync is not None:
-            self._sync.rekey(new_to_old_param)
+        if self._swapping is not None:
+            self._swapping.sync.rekey(new_to_old_param)
 
 
 def _set_modeled_seconds(stats: SwapStats, start: ModeledTimes, end: ModeledTimes | None) -> None:
@@ -556,17 +447,3 @@ def _set_modeled_seconds(stats: SwapStats, start: ModeledTimes, end: ModeledTime
     stats.modeled_step_seconds = max(end.compute - entered, 0.0)
     first = end.transfers_started
     stats.modeled_transfer_seconds = max(end.transfers - first, 0.0) if first is not None else 0.0
-
-
-@contextlib.contextmanager
-def _masters_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """``optimizer.state`` without the fp32 masters for the duration (put back whatever happens)."""
-    masters: list[tuple[dict[str, Any], Any]] = []
-    for state in optimizer.state.values():
-        if isinstance(state, dict) and MASTER_KEY in state:
-            masters.append((state, dict.pop(state, MASTER_KEY)))
-    try:
-        yield
-    finally:
-        for state, master in masters:
-            dict.__setitem__(state, MASTER_KEY, master)

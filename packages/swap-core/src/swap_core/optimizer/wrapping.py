@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from ..adapters.base import StateSwapAdapter
+from ..adapters.base import AdapterFactory, StateSwapAdapter
+from ..adapters.overrides import check_instance_step
+from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
-from ..master_weights import MASTER_KEY, has_master
+from ..master_weights import MASTER_KEY, has_master, master_problem, stand_in, without_master
+from ..runtime.auto_batches import AUTO_NEEDS_MEMORY
 from ..torch_compat import remove_hooks
 
 __all__ = [
     "WRAPPERS",
     "Wrapper",
+    "as_updated",
+    "check_arguments",
     "check_distinct_params",
     "check_master_weights_supported",
     "check_not_wrapped",
     "check_state_assignable",
+    "check_states",
+    "check_wrapped_state",
     "exported",
     "group_params",
+    "make_adapter",
     "overrides",
     "remove_swap_hooks",
     "swap_keys",
@@ -46,6 +55,67 @@ class Wrapper(Protocol):
 
 WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Wrapper]] = weakref.WeakKeyDictionary()
 """The live wrapper of each wrapped optimizer: a second wrapper would keep a second copy of its state."""
+
+
+def check_arguments(
+    wrapper_type: type[torch.optim.Optimizer],
+    optimizer: object,
+    config: SwapConfig | None,
+    adapter_factory: AdapterFactory | None,
+) -> tuple[torch.optim.Optimizer, SwapConfig, AdapterFactory]:
+    """``wrapper_type(optimizer, config, adapter_factory)``'s arguments checked, and the default config; then every
+    refusal that needs no adapter, before anything (the wrapped optimizer included) changes."""
+    if isinstance(optimizer, wrapper_type):
+        raise ValueError("The optimizer is already a SwapOptimizer; wrap the plain torch optimizer once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if config is None:
+        config = SwapConfig()
+    if not isinstance(config, SwapConfig):
+        raise TypeError(f"config must be a SwapConfig, got {type(config).__name__}")
+    if adapter_factory is None:
+        raise TypeError("SwapOptimizer needs an adapter_factory; use swap_optimizer() to find one automatically")
+    check_not_wrapped(optimizer)
+    check_state_assignable(optimizer)
+    check_instance_step(optimizer)
+    check_distinct_params(optimizer.param_groups)
+    return optimizer, config, adapter_factory
+
+
+def make_adapter(
+    optimizer: torch.optim.Optimizer, config: SwapConfig, adapter_factory: AdapterFactory
+) -> StateSwapAdapter:
+    """The family adapter of ``optimizer``. It reads existing states as its optimizer would have made them (a deep
+    copy's, a checkpoint's loaded before wrapping): with master weights, the masters (swap's, not the
+    optimizer's) are set aside meanwhile."""
+    with _masters_set_aside(optimizer) if config.master_weights else contextlib.nullcontext():
+        return adapter_factory(optimizer)
+
+
+def check_wrapped_state(
+    optimizer: torch.optim.Optimizer,
+    adapter: StateSwapAdapter,
+    config: SwapConfig,
+    backend: DeviceBackend | None,
+) -> None:
+    """The refusals that need the adapter and the backend: unknown ``state_keys``, ``swap_times="auto"`` without a
+    measure of device memory, master weights the family cannot keep, states the update could not use."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    swap_keys(optimizer, adapter, config)  # refuses unknown state_keys
+    if config.swap_times == "auto" and backend is not None and backend.available_device_bytes() is None:
+        raise ValueError(AUTO_NEEDS_MEMORY.format(backend=backend.name))
+    if config.master_weights:
+        check_master_weights_supported(optimizer, adapter, params)
+    if backend is not None:  # unswapped (CPU parameters), the wrapped optimizer's step takes any state
+        # States made before wrapping without masters (Adagrad's constructor makes them) get theirs at wrapping.
+        check_states(
+            optimizer,
+            adapter,
+            [(index, param) for index, group in enumerate(optimizer.param_groups) for param in group["params"]],
+            UnsupportedOptimizerError,
+            master_weights=config.master_weights,
+            masters_to_make=True,
+        )
 
 
 def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
@@ -180,3 +250,56 @@ def _export_state_dict(
     adapter: StateSwapAdapter, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> dict[str, Any]:
     return adapter.export_state_dict(state_dict)
+
+
+def check_states(
+    optimizer: torch.optim.Optimizer,
+    adapter: StateSwapAdapter,
+    params: Sequence[tuple[int, torch.Tensor]],
+    error: Callable[[str], Exception],
+    *,
+    master_weights: bool,
+    masters_to_make: bool = False,
+) -> None:
+    """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use.
+
+    ``params`` are ``(group index, parameter)``. ``masters_to_make``: a state without a master is to get one (made
+    before wrapping), so only the adapter is asked about it.
+    """
+    for index, (group_index, param) in enumerate(params):
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        problem = None
+        if master_weights and has_master(param):
+            if not (masters_to_make and MASTER_KEY not in state):
+                problem = master_problem(param, state)
+            state = without_master(state)
+        if problem is None:
+            updated = as_updated(param, master_weights=master_weights)
+            problem = adapter.state_mismatch(updated, optimizer.param_groups[group_index], state)
+        if problem is not None:
+            raise error(
+                f"The state of parameter {index} (param group {group_index}, shape {tuple(param.shape)}) "
+                f"{problem}: {type(optimizer).__name__}'s update cannot use it, and nothing was changed. "
+                "Load a complete checkpoint, or reset the entry (del optimizer.state[param]) to start it afresh"
+            )
+
+
+def as_updated(param: torch.Tensor, *, master_weights: bool) -> torch.Tensor:
+    """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
+    return stand_in(param) if master_weights and has_master(param) else param
+
+
+@contextlib.contextmanager
+def _masters_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """``optimizer.state`` without the fp32 masters for the duration (put back whatever happens)."""
+    masters: list[tuple[dict[str, Any], Any]] = []
+    for state in optimizer.state.values():
+        if isinstance(state, dict) and MASTER_KEY in state:
+            masters.append((state, dict.pop(state, MASTER_KEY)))
+    try:
+        yield
+    finally:
+        for state, master in masters:
+            dict.__setitem__(state, MASTER_KEY, master)
