@@ -21,7 +21,7 @@ from swap_core.errors import StateDictMismatchError, SwapStateError, Unsupported
 from swap_core.master_weights import MASTER_KEY, master_state_dict
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
-from swap_core.testing.conformance import SIM_MODES, through_torch_save
+from swap_core.testing.conformance import through_torch_save
 from swap_core.testing.masters import MIXED_SHAPES_AND_DTYPES, MasterReference, mixed_precision_params, set_same_grads
 
 pytestmark = pytest.mark.sim_only
@@ -58,18 +58,6 @@ def train(reference: MasterReference, optimizer: SwapOptimizer, steps: range) ->
 
 
 # -- bitwise the reference -------------------------------------------------------------------
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-@pytest.mark.parametrize(("mode", "seed"), SIM_MODES, ids=[f"{mode}{seed}" for mode, seed in SIM_MODES])
-def test_masters_step_bitwise_as_the_plain_optimizer_over_fp32_masters(mode: str, seed: int, packed: bool) -> None:
-    sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
-    reference = MasterReference(make_params(), rmsprop)
-    optimizer = swapped(make_params(), sim, packed=packed)
-    for step in range(STEPS):
-        train(reference, optimizer, range(step, step + 1))
-        assert_matches_reference(reference, optimizer, f"{mode}{seed} step {step}")
-    assert not sim.races, sim.races
-
-
 def test_states_and_masters_are_fp32_and_the_params_keep_their_dtype() -> None:
     params = make_params()
     optimizer = swapped(params, SimBackend())
@@ -382,24 +370,6 @@ def test_states_made_before_wrapping_get_masters_from_the_params_with_one_warnin
     reference.assert_matches(optimizer, params, "wrapped")
     train(reference, optimizer, range(1, 4))
     reference.assert_matches(optimizer, params, "after three steps of the wrapped optimizer")
-
-
-@pytest.mark.parametrize(("mode", "seed"), [("lazy", 0), ("random", 3)])
-def test_a_deep_copy_in_master_mode_is_an_independent_twin_bitwise_the_reference(mode: str, seed: int) -> None:
-    """copy.deepcopy of a swapped optimizer with master weights (refused before: the adapter of the copy read the
-    copied masters as states its optimizer does not make) continues as the original would."""
-    reference = MasterReference(make_params(), rmsprop)
-    optimizer = swapped(make_params(), SimBackend(mode=mode, seed=seed))  # type: ignore[arg-type]
-    train(reference, optimizer, range(2))
-    twin = copy.deepcopy(optimizer)
-    assert all(
-        MASTER_KEY in twin.state[param] for param in twin.param_groups[0]["params"] if param.dtype != torch.float32
-    )
-    twin_reference = copy.deepcopy(reference)
-    train(reference, optimizer, range(2, 4))
-    train(twin_reference, twin, range(2, 4))
-    assert_matches_reference(reference, optimizer, "the original after the copy")
-    assert_matches_reference(twin_reference, twin, "the twin, stepped on its own")
 
 
 def test_an_outside_step_method_the_class_lacks_is_refused_before_anything_changes() -> None:

@@ -32,24 +32,6 @@ def _muon(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.Muon(params, lr=2e-2, momentum=0.95, weight_decay=0.1, nesterov=True)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-@pytest.mark.parametrize(("mode", "seed"), MODES, ids=[f"{mode}{seed}" for mode, seed in MODES])
-def test_muon_with_master_weights_is_bitwise_the_reference(mode: str, seed: int, packed: bool) -> None:
-    reference = MasterReference(_params(), _muon)
-    params = _params()
-    sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
-    config = SwapConfig(backend=sim, swap_times=2, min_numel=128, packed=packed, master_weights=True)
-    optimizer = swap_optimizer(_muon(list(params)), config)
-    for step in range(10):
-        reference.set_grads(step, params)
-        reference.step()
-        optimizer.step()
-        reference.assert_matches(optimizer, params, f"{mode}{seed} step {step}")
-    assert not sim.races, sim.races
-    state = optimizer.state[params[0]]
-    assert state["momentum_buffer"].dtype == state[MASTER_KEY].dtype == torch.float32
-
-
 def test_distributed_muon_with_master_weights_on_one_rank_is_bitwise_the_reference() -> None:
     """Owner-rank Muon over DTensor parameters updates the shard masters (one rank here; two, and a 2 x 2 HSDP
     mesh with a checkpoint round trip, are test_distributed_muon.py's)."""

@@ -61,6 +61,10 @@ class ConformanceCase:
     adapter_factory: AdapterFactory | None = None
     """The adapter to wrap with (``None``: the registry's, as ``swap_optimizer`` finds it); e.g. the generic
     adapter over Adam, to cross-check it against the dedicated one."""
+    deep_copies: bool = True
+    """Whether the plain optimizer survives ``copy.deepcopy`` (``False``: torch's ``Optimizer.__getstate__`` keeps
+    only ``defaults``, ``state`` and ``param_groups``, and lion_pytorch's ``Lion`` loses an attribute its step
+    reads); the checks that copy skip the copy then."""
     device_types: tuple[str, ...] | None = None
     """Device types the optimizer runs on (``None``: any): on another ``--backend`` the case is skipped, naming
     them (torch's fused Adagrad, for one, runs on CPU parameters only)."""
