@@ -23,8 +23,8 @@ from swap_core.errors import StateDictMismatchError
 from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
-from swap_core.testing.conformance import MASTER_MODES, ConformanceCase, check_master_weights, through_torch_save
-from swap_core.testing.masters import MasterReference, mixed_precision_params, set_same_grads
+from swap_core.testing.conformance import MASTER_MODES, ConformanceCase, through_torch_save
+from swap_core.testing.masters import MasterReference, check_master_weights, mixed_precision_params, set_same_grads
 from swap_generic import GenericAdapter
 
 pytestmark = pytest.mark.sim_only  # the simulator's checks (races, owns) are the point

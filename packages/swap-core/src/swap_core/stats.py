@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["SwapStats"]
+__all__ = ["CopyCounts", "SwapStats"]
 
 
 @dataclasses.dataclass
-class SwapStats:
-    """Counters of the last ``step()``, exposed as ``opt.stats``."""
+class CopyCounts:
+    """Copies between host and device, and their bytes, per direction."""
 
     h2d_bytes: int = 0
     """Bytes copied host to device (packed mode includes alignment padding between states)."""
@@ -22,6 +22,22 @@ class SwapStats:
 
     d2h_copies: int = 0
     """Device-to-host copy calls."""
+
+    def count(self, direction: str, copies: int, nbytes: int) -> None:
+        """Add ``copies`` copies of ``nbytes`` bytes in all in ``direction`` (``"h2d"`` or ``"d2h"``)."""
+        if direction == "h2d":
+            self.h2d_copies += copies
+            self.h2d_bytes += nbytes
+        elif direction == "d2h":
+            self.d2h_copies += copies
+            self.d2h_bytes += nbytes
+        else:
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+
+
+@dataclasses.dataclass
+class SwapStats(CopyCounts):
+    """Counters of the last ``step()``, exposed as ``opt.stats``."""
 
     batches: int = 0
     """Pipeline batches the swapped states were split into."""

@@ -48,14 +48,12 @@ class StateSync:
         optimizer: torch.optim.Optimizer,
         adapter: StateSwapAdapter,
         config: SwapConfig,
-        backend: DeviceBackend,
         scheduler: PipelineScheduler,
     ) -> None:
-        self.optimizer = optimizer
-        self.adapter = adapter
-        self.config = config
-        self.backend = backend
+        """Follows ``optimizer`` for ``adapter`` with ``config``; its states move through ``scheduler``'s backend."""
+        self.optimizer, self.adapter, self.config = optimizer, adapter, config
         self.scheduler = scheduler
+        self.backend: DeviceBackend = scheduler.backend
         self.master_weights = config.master_weights
         self.generation = 0
         """Moves whenever the store, its slots, the parameters or the entries bound to a plan change."""

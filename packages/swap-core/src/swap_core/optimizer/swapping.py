@@ -45,7 +45,7 @@ class Swapping:
         cache, the backward's prefetch hooks. Copies in flight are waited for when ``owner`` is collected."""
         scheduler = PipelineScheduler(backend, duplex=config.duplex)
         weakref.finalize(owner, drain_in_flight_copies, scheduler)
-        sync = StateSync(optimizer, adapter, config, backend, scheduler)
+        sync = StateSync(optimizer, adapter, config, scheduler)
         plans = PlanCache(sync, AutoBatching(config, backend) if config.swap_times == "auto" else None)
         sync.start()  # existing states move to host memory (may find the host too small)
         if config.master_weights:

@@ -152,8 +152,7 @@ class PipelineScheduler:
         resident_at = 1 if early is not None and len(batches) > 1 else 0
         with self._recover_on_error(plan):
             if early is not None:  # batch 0 was copied in by prefetch()
-                stats.h2d_copies += early.copies
-                stats.h2d_bytes += early.nbytes
+                stats.count("h2d", early.copies, early.nbytes)
                 prefetched[0] = early.event
             else:
                 prefetch(0)
@@ -244,8 +243,7 @@ class PipelineScheduler:
                     self.backend.wait_event(self.h2d, reused.front if position < batch.front_transfers else reused.done)
                 self.backend.copy(device, host, stream=self.h2d)
                 nbytes += host.numel() * host.element_size()
-            stats.h2d_copies += len(batch.transfers)
-            stats.h2d_bytes += nbytes
+            stats.count("h2d", len(batch.transfers), nbytes)
             transition(batch.slots, SlotState.HOST, SlotState.H2D)
             self._span(batch, "h2d", started, self.h2d, nbytes)
             return self.backend.record_event(self.h2d)
@@ -278,8 +276,7 @@ class PipelineScheduler:
                     front = self.backend.record_event(self.d2h)
                 self.backend.copy(host, device, stream=self.d2h)
                 nbytes += host.numel() * host.element_size()
-            stats.d2h_copies += len(batch.transfers)
-            stats.d2h_bytes += nbytes
+            stats.count("d2h", len(batch.transfers), nbytes)
             # Only once every copy is enqueued: a failed enqueue leaves the device copy authoritative.
             transition(batch.slots, SlotState.DEVICE, SlotState.D2H)
             self._offloaded.extend(batch.slots)

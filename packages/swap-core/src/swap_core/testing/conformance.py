@@ -27,15 +27,13 @@ from ..optimizer import SwapOptimizer
 from ..runtime.packed import ARENA_ALIGN_BYTES, SLOT_ALIGN_BYTES, align_up
 from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .habits import HABIT_CHECKS
-from .masters import MasterReference
+from .masters import check_master_weights
 from .pairs import (
     BackendFactory,
     ConformanceCase,
     Pair,
     make_groups,
     make_pair,
-    make_params,
-    set_grads,
     swap_config,
     through_torch_save,
     wrap_case,
@@ -43,7 +41,6 @@ from .pairs import (
 from .views import BatchView, planned_batches, simulator_of
 
 __all__ = [
-    "MASTER_DTYPES",
     "MASTER_MODES",
     "SIM_MODES",
     "ConformanceCase",
@@ -51,7 +48,6 @@ __all__ = [
     "check_accounting",
     "check_checkpoint_round_trip",
     "check_fault",
-    "check_master_weights",
     "check_parity",
     "fault_points",
     "make_conformance_tests",
@@ -80,9 +76,6 @@ OPTION_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("sync", 0), ("random"
 
 MASTER_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("sync", 0), ("random", 1), ("random", 2))
 """Schedules of the master-weights checks (each with the packed and the per-tensor layout)."""
-
-MASTER_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
-"""Cycled over a case's parameters by the master-weights checks: bf16 and fp16 get masters, fp32 keeps none."""
 
 HABIT_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("random", 5))
 """Schedules of the torch-habit checks: lazy (the last offload of a step is still queued when the user edits
@@ -213,48 +206,6 @@ def check_fault(case: ConformanceCase, backend: DeviceBackend, point: FaultPoint
     pair.assert_equal(f"{case.name} after a fault at {point}")
 
 
-def check_master_weights(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
-    """With ``master_weights=True`` over bf16, fp16 and fp32 parameters: bitwise the plain optimizer over fp32
-    masters (:class:`~swap_core.testing.masters.MasterReference`) after every step, masters and states included;
-    then a deep copy (of the model and the optimizer together, where the plain optimizer survives one) and a
-    checkpoint through ``torch.save``, loaded into a newly wrapped optimizer, each go on as the reference does."""
-    mixed = dataclasses.replace(case, dtypes=MASTER_DTYPES)
-    reference = MasterReference(
-        make_params(mixed, backend.device), lambda masters: case.make_optimizer(make_groups(case, masters))
-    )
-    params = make_params(mixed, backend.device)
-    config = swap_config(case, backend, **{**overrides, "master_weights": True})
-    swapped = wrap_case(case, case.make_optimizer(make_groups(case, params)), config)
-    half = case.steps // 2
-    _train_on_masters(mixed, reference, swapped, params, range(half), case.name)
-    if case.deep_copies:
-        twin_reference = copy.deepcopy(reference)
-        twin_params, twin = copy.deepcopy((params, swapped))
-        _train_on_masters(mixed, twin_reference, twin, twin_params, range(half, half + 2), f"{case.name} deep copy")
-    restored_params = [torch.nn.Parameter(param.detach().clone()) for param in params]
-    restored = wrap_case(case, case.make_optimizer(make_groups(case, restored_params)), config)
-    restored.load_state_dict(through_torch_save(swapped.state_dict()))
-    _train_on_masters(mixed, reference, restored, restored_params, range(half, case.steps), f"{case.name} restored")
-    races = getattr(backend, "races", [])
-    assert not races, f"{case.name}: the simulator reported races: {races}"
-
-
-def _train_on_masters(
-    case: ConformanceCase,
-    reference: MasterReference,
-    swapped: SwapOptimizer,
-    params: Sequence[torch.Tensor],
-    steps: range,
-    where: str,
-) -> None:
-    for step in steps:
-        set_grads(case, reference.params, step)
-        set_grads(case, params, step)
-        reference.step()
-        swapped.step()
-        reference.assert_matches(swapped, params, f"{where}, master weights, step {step}")
-
-
 # -- pytest glue ---------------------------------------------------------------
 def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callable[..., None]]:
     """Parametrized pytest functions running every check over ``cases``; update a test module's globals."""
@@ -326,16 +277,16 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
 
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-    @pytest.mark.parametrize("mode,seed", MASTER_MODES, ids=[f"{m}{s}" for m, s in MASTER_MODES])
+    @pytest.mark.parametrize("schedule", MASTER_MODES, ids=[f"{m}{s}" for m, s in MASTER_MODES])
     def test_conformance_master_weights(
         case: ConformanceCase,
         packed: bool,
-        mode: str,
-        seed: int,
+        schedule: tuple[str, int],
         swap_backend_factory: BackendFactory,
         backend_name: str,
     ) -> None:
         _require_device_type(case, backend_name)
+        mode, seed = schedule
         check_master_weights(case, swap_backend_factory(mode=mode, seed=seed), packed=packed)
 
     @case_param

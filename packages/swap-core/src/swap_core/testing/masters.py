@@ -16,15 +16,31 @@ they are (they keep no master).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..backends.protocol import DeviceBackend
 from ..master_weights import MASTER_KEY, has_master
+from ..optimizer import SwapOptimizer
 from .compare import assert_bitwise_equal
+from .pairs import ConformanceCase, make_groups, make_params, set_grads, swap_config, through_torch_save, wrap_case
 
-__all__ = ["MIXED_SHAPES_AND_DTYPES", "MasterReference", "mixed_precision_params", "set_same_grads"]
+__all__ = [
+    "MASTER_DTYPES",
+    "MIXED_SHAPES_AND_DTYPES",
+    "MasterReference",
+    "check_master_weights",
+    "mixed_precision_params",
+    "set_same_grads",
+]
+
+MASTER_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+"""Cycled over a conformance case's parameters by :func:`check_master_weights`: bf16 and fp16 get masters, fp32
+keeps none."""
 
 MIXED_SHAPES_AND_DTYPES: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (
     ((32, 40), torch.bfloat16),
@@ -122,3 +138,45 @@ class MasterReference:
         if master is not param and (state or index in self._stepped):
             state[MASTER_KEY] = master.detach()
         return state
+
+
+def check_master_weights(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
+    """With ``master_weights=True`` over bf16, fp16 and fp32 parameters: bitwise the plain optimizer over fp32
+    masters (:class:`~swap_core.testing.masters.MasterReference`) after every step, masters and states included;
+    then a deep copy (of the model and the optimizer together, where the plain optimizer survives one) and a
+    checkpoint through ``torch.save``, loaded into a newly wrapped optimizer, each go on as the reference does."""
+    mixed = dataclasses.replace(case, dtypes=MASTER_DTYPES)
+    reference = MasterReference(
+        make_params(mixed, backend.device), lambda masters: case.make_optimizer(make_groups(case, masters))
+    )
+    params = make_params(mixed, backend.device)
+    config = swap_config(case, backend, **{**overrides, "master_weights": True})
+    swapped = wrap_case(case, case.make_optimizer(make_groups(case, params)), config)
+    half = case.steps // 2
+    _train_on_masters(mixed, reference, swapped, params, range(half), case.name)
+    if case.deep_copies:
+        twin_reference = copy.deepcopy(reference)
+        twin_params, twin = copy.deepcopy((params, swapped))
+        _train_on_masters(mixed, twin_reference, twin, twin_params, range(half, half + 2), f"{case.name} deep copy")
+    restored_params = [torch.nn.Parameter(param.detach().clone()) for param in params]
+    restored = wrap_case(case, case.make_optimizer(make_groups(case, restored_params)), config)
+    restored.load_state_dict(through_torch_save(swapped.state_dict()))
+    _train_on_masters(mixed, reference, restored, restored_params, range(half, case.steps), f"{case.name} restored")
+    races = getattr(backend, "races", [])
+    assert not races, f"{case.name}: the simulator reported races: {races}"
+
+
+def _train_on_masters(
+    case: ConformanceCase,
+    reference: MasterReference,
+    swapped: SwapOptimizer,
+    params: Sequence[torch.Tensor],
+    steps: range,
+    where: str,
+) -> None:
+    for step in steps:
+        set_grads(case, reference.params, step)
+        set_grads(case, params, step)
+        reference.step()
+        swapped.step()
+        reference.assert_matches(swapped, params, f"{where}, master weights, step {step}")

@@ -4,27 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...stats import CopyCounts
+
 __all__ = ["CopyStats"]
 
 
-@dataclass(slots=True)
-class CopyStats:
-    """Copies and bytes per direction, counted when a copy is issued (not when a lazy queue runs it)."""
+@dataclass
+class CopyStats(CopyCounts):
+    """Copies and bytes per direction, counted when a copy is issued (not when a lazy queue runs it); device to
+    device copies too."""
 
-    h2d_copies: int = 0
-    d2h_copies: int = 0
     d2d_copies: int = 0
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
     d2d_bytes: int = 0
 
     def add(self, direction: str, nbytes: int) -> None:
-        if direction == "h2d":
-            self.h2d_copies += 1
-            self.h2d_bytes += nbytes
-        elif direction == "d2h":
-            self.d2h_copies += 1
-            self.d2h_bytes += nbytes
-        else:
+        """Count one copy of ``nbytes`` bytes in ``direction`` (``"h2d"``, ``"d2h"`` or ``"d2d"``)."""
+        if direction == "d2d":
             self.d2d_copies += 1
             self.d2d_bytes += nbytes
+        else:
+            self.count(direction, 1, nbytes)
