@@ -62,45 +62,60 @@ def load_swapped_state(
     groups = param_groups
     saved_groups = state_dict["param_groups"]
     id_map = _saved_id_map(groups, saved_groups)
-    staged = TrackedState()
-    new: list[tuple[SwapSlot, StateSource]] = []
-    masters_from_params = low_precision_masters = 0
+    loaded = LoadedState([], TrackedState(), [])
     for saved_id, saved_state in state_dict["state"].items():
         if saved_id not in id_map:
             raise StateDictMismatchError(
                 f"Loaded state dict has state for parameter id {saved_id!r}, which none of its param groups lists"
             )
         param, group, saved_group = id_map[saved_id]
-        masters = master_weights and has_master(param)
-        if MASTER_KEY in saved_state and not masters:
-            raise StateDictMismatchError(_unexpected_master(saved_id, param, master_weights))
-        # What the update runs on: the parameter, or the fp32 master of a bf16/fp16 one.
-        updated = stand_in(param) if masters else param
-        # The options the loaded group will have: the checkpoint's, the live group's where it has none.
-        loaded_group = {**group, **saved_group, "params": group["params"]}
-        if masters and MASTER_KEY in saved_state:
-            _check_master_shape(saved_id, param, saved_state[MASTER_KEY])
-            low_precision_masters += saved_state[MASTER_KEY].dtype != torch.float32
-        if saved_state:
-            problem = adapter.state_mismatch(updated, loaded_group, without_master(saved_state))
-            if problem is not None:
-                raise StateDictMismatchError(
-                    f"Loaded state dict: the state of parameter {saved_id!r} {problem}; nothing was loaded"
-                )
-        # An adapter whose update creates states knows no fresh state (nothing is held whole on one rank).
-        expected = {} if adapter.lazy_states else adapter.initial_state(updated, group)
-        entry = staged[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
-        for key, value in saved_state.items():
-            # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
-            entry[key] = _stage_value(
-                store, new, param, updated.dtype, saved_group, key, value, expected.get(key), saved_id
+        _stage_entry(loaded, adapter, store, saved_id, saved_state, param, group, saved_group, master_weights)
+    loaded.param_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
+    return loaded
+
+
+def _stage_entry(
+    loaded: LoadedState,
+    adapter: StateSwapAdapter,
+    store: StateStore,
+    saved_id: object,
+    saved_state: Mapping[str, Any],
+    param: torch.Tensor,
+    group: dict[str, Any],
+    saved_group: Mapping[str, Any],
+    master_weights: bool,
+) -> None:
+    """Check the saved state of ``param`` against the adapter and stage it in ``loaded`` (swapped values placed
+    later, see :func:`load_swapped_state`)."""
+    masters = master_weights and has_master(param)
+    if MASTER_KEY in saved_state and not masters:
+        raise StateDictMismatchError(_unexpected_master(saved_id, param, master_weights))
+    # What the update runs on: the parameter, or the fp32 master of a bf16/fp16 one.
+    updated = stand_in(param) if masters else param
+    # The options the loaded group will have: the checkpoint's, the live group's where it has none.
+    loaded_group = {**group, **saved_group, "params": group["params"]}
+    if masters and MASTER_KEY in saved_state:
+        _check_master_shape(saved_id, param, saved_state[MASTER_KEY])
+        loaded.low_precision_masters += saved_state[MASTER_KEY].dtype != torch.float32
+    if saved_state:
+        problem = adapter.state_mismatch(updated, loaded_group, without_master(saved_state))
+        if problem is not None:
+            raise StateDictMismatchError(
+                f"Loaded state dict: the state of parameter {saved_id!r} {problem}; nothing was loaded"
             )
-        if masters and saved_state and MASTER_KEY not in saved_state:
-            # A plain checkpoint: the master starts as the live parameter (the checkpoint's own weights, loaded).
-            entry[MASTER_KEY] = _master_from_param(store, new, param)
-            masters_from_params += 1
-    new_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
-    return LoadedState(new_groups, staged, new, masters_from_params, low_precision_masters)
+    # An adapter whose update creates states knows no fresh state (nothing is held whole on one rank).
+    expected = {} if adapter.lazy_states else adapter.initial_state(updated, group)
+    entry = loaded.state[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
+    new = loaded.swapped
+    for key, value in saved_state.items():
+        # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
+        entry[key] = _stage_value(
+            store, new, param, updated.dtype, saved_group, key, value, expected.get(key), saved_id
+        )
+    if masters and saved_state and MASTER_KEY not in saved_state:
+        # A plain checkpoint: the master starts as the live parameter (the checkpoint's own weights, loaded).
+        entry[MASTER_KEY] = _master_from_param(store, new, param)
+        loaded.masters_from_params += 1
 
 
 def saved_param_ids(

@@ -128,14 +128,27 @@ class PipelineScheduler:
         batches = [
             batch for batch in plan.batches if batch.index not in skip or (early is not None and batch.index == 0)
         ]
-        if not batches:
-            if plan.resident is not None:
-                self.update_resident(plan.resident, update)
-            self._finish_trace(trace)
-            return
+        if batches:
+            if plan.arenas is not None:
+                plan.arenas.acquire()
+            with self._recover_on_error(plan):
+                self._walk(plan, batches, early, update, stats)
+                self._free_last_staging(plan, batches, keep_staging=keep_staging)
+            stats.batches = len(batches)
+        elif plan.resident is not None:
+            self.update_resident(plan.resident, update)
+        self._finish_trace(trace)
+
+    def _walk(
+        self,
+        plan: SwapPlan,
+        batches: list[PlannedBatch],
+        early: _EarlyPrefetch | None,
+        update: UpdateFn,
+        stats: SwapStats,
+    ) -> None:
+        """Every batch of ``batches`` in turn: the next one's copy-in issued while it updates, then its copy-out."""
         packed = plan.arenas is not None
-        if plan.arenas is not None:
-            plan.arenas.acquire()
         prefetched: dict[int, Event] = {}
         offloaded: list[Offloaded] = []
         last_out_of: dict[int, Offloaded] = {}
@@ -150,39 +163,38 @@ class PipelineScheduler:
 
         # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
         resident_at = 1 if early is not None and len(batches) > 1 else 0
-        with self._recover_on_error(plan):
-            if early is not None:  # batch 0 was copied in by prefetch()
-                stats.count("h2d", early.copies, early.nbytes)
-                prefetched[0] = early.event
-            else:
-                prefetch(0)
-            for position, batch in enumerate(batches):
-                following = position + 1 if position + 1 < len(batches) else None
-                # The next batch comes in while this one updates, unless it needs this one's arena (skipped batches
-                # between them): then it comes in once this one is copied out.
-                shares_arena = following is not None and packed and batches[following].arena_index == batch.arena_index
-                if following is not None and not shares_arena:
-                    prefetch(following)
-                if position == resident_at and plan.resident is not None:
-                    self.update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
-                self.update_batch(batch, prefetched[position], update)
-                offloaded.append(self.offload_batch(batch, stats))
-                last_out_of[batch.arena_index] = offloaded[-1]
-                if following is not None and shares_arena:
-                    prefetch(following)
-            self._last_offload = offloaded[-1].done
-            self._in_flight = plan
-            # The last offloads still read their staging memory: it is freed stream-ordered behind them, so the
-            # compute stream (the next forward) does not wait for them.
-            if packed and not keep_staging:
-                assert plan.arenas is not None
+        if early is not None:  # batch 0 was copied in by prefetch()
+            stats.count("h2d", early.copies, early.nbytes)
+            prefetched[0] = early.event
+        else:
+            prefetch(0)
+        for position, batch in enumerate(batches):
+            following = position + 1 if position + 1 < len(batches) else None
+            # The next batch comes in while this one updates, unless it needs this one's arena (skipped batches
+            # between them): then it comes in once this one is copied out.
+            shares_arena = following is not None and packed and batches[following].arena_index == batch.arena_index
+            if following is not None and not shares_arena:
+                prefetch(following)
+            if position == resident_at and plan.resident is not None:
+                self.update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
+            self.update_batch(batch, prefetched[position], update)
+            offloaded.append(self.offload_batch(batch, stats))
+            last_out_of[batch.arena_index] = offloaded[-1]
+            if following is not None and shares_arena:
+                prefetch(following)
+        self._last_offload = offloaded[-1].done
+        self._in_flight = plan
+
+    def _free_last_staging(self, plan: SwapPlan, batches: list[PlannedBatch], *, keep_staging: bool) -> None:
+        """The last offloads still read their staging memory: it is freed stream-ordered behind them, so the compute
+        stream (the next forward) does not wait for them."""
+        if plan.arenas is not None:
+            if not keep_staging:
                 plan.arenas.release(in_use_on=self.d2h)
-            if not packed:
-                for batch in batches[max(len(batches) - 2, 0) :]:
-                    for view in batch.device_views:
-                        self.backend.release_storage(view, in_use_on=self.d2h)
-        stats.batches = len(batches)
-        self._finish_trace(trace)
+            return
+        for batch in batches[max(len(batches) - 2, 0) :]:
+            for view in batch.device_views:
+                self.backend.release_storage(view, in_use_on=self.d2h)
 
     def _finish_trace(self, trace: StepTrace | None) -> None:
         if trace is not None and self._timeline is not None:

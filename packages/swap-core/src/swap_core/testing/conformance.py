@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from .pairs import (
     wrap_case,
 )
 from .views import BatchView, planned_batches, simulator_of
+
+if TYPE_CHECKING:
+    import pytest
 
 __all__ = [
     "MASTER_MODES",
@@ -212,6 +215,13 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     import pytest
 
     case_param = pytest.mark.parametrize("case", cases, ids=str)
+    return {**_stepping_tests(case_param), **_state_tests(case_param)}
+
+
+def _stepping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
+    """Parity under every schedule, layout and option, and exact accounting."""
+    import pytest
+
     layouts = pytest.mark.parametrize(
         "packed,duplex", [(True, True), (True, False), (False, True), (False, False)], ids=_layout_id
     )
@@ -254,6 +264,17 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     ) -> None:
         _require_device_type(case, backend_name)
         check_accounting(case, swap_backend_factory(mode="lazy"), packed=packed, swap_times=swap_times)
+
+    return {
+        "test_conformance_parity": test_conformance_parity,
+        "test_conformance_options": test_conformance_options,
+        "test_conformance_accounting": test_conformance_accounting,
+    }
+
+
+def _state_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
+    """Checkpoints, faults, master weights and torch habits."""
+    import pytest
 
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
@@ -304,13 +325,10 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
         HABIT_CHECKS[habit](case, swap_backend_factory(mode=mode, seed=seed))
 
     return {
-        "test_conformance_parity": test_conformance_parity,
-        "test_conformance_torch_habits": test_conformance_torch_habits,
-        "test_conformance_options": test_conformance_options,
-        "test_conformance_accounting": test_conformance_accounting,
         "test_conformance_checkpoint": test_conformance_checkpoint,
         "test_conformance_faults": test_conformance_faults,
         "test_conformance_master_weights": test_conformance_master_weights,
+        "test_conformance_torch_habits": test_conformance_torch_habits,
     }
 
 

@@ -125,24 +125,14 @@ class SimBackend:
         caching_allocator: bool = True,
         device_memory: int | None = None,
     ) -> None:
-        if mode not in SIM_MODES:
-            raise ValueError(f"Invalid simulator mode: {mode!r}; expected one of {SIM_MODES}")
-        seed_value: object = seed  # checked at runtime whatever the annotation says
-        if isinstance(seed_value, bool) or not isinstance(seed_value, int):
-            raise TypeError(f"Invalid simulator seed: {seed!r}; expected an int")
-        if on_race not in _ON_RACE:
-            raise ValueError(f"Invalid on_race: {on_race!r}; expected one of {_ON_RACE}")
+        _check_arguments(mode, seed, on_race, host_bytes, device_memory, timing)
         self.mode: SimMode = mode
         self.seed = seed
         self.check_races = check_races
         self.poison = poison
         self.pinned_memory = pinned_memory
         self.exact_pinning = exact_pinning
-        if host_bytes is not None and not is_count(host_bytes):
-            raise ValueError(f"Invalid simulated host_bytes: {host_bytes!r}; expected an int >= 0 or None")
         self.host_bytes = host_bytes
-        if device_memory is not None and not is_count(device_memory):
-            raise ValueError(f"Invalid simulated device_memory: {device_memory!r}; expected an int >= 0 or None")
         self.device_memory = device_memory
         self.on_race: OnRace = on_race
         self.copy_stats = CopyStats()
@@ -173,8 +163,6 @@ class SimBackend:
             else None
         )
         self._active_mode: ComputeCheckMode | None = None
-        if timing is not None and not isinstance(timing, LinkModel):
-            raise TypeError(f"SimBackend timing must be a LinkModel or None, got {type(timing).__name__}")
         self.timing = timing
         self._clock = VirtualClock(timing) if timing is not None else None
         self._timed_mode: TimedComputeMode | None = None
@@ -1011,3 +999,22 @@ if TYPE_CHECKING:
 
     def _conforms_to_protocol(backend: SimBackend) -> DeviceBackend:
         return backend
+
+
+def _check_arguments(
+    mode: object, seed: object, on_race: object, host_bytes: object, device_memory: object, timing: object
+) -> None:
+    """Refuse :class:`SimBackend`'s arguments that it cannot simulate, naming the value (checked at run time,
+    whatever the annotations say)."""
+    if mode not in SIM_MODES:
+        raise ValueError(f"Invalid simulator mode: {mode!r}; expected one of {SIM_MODES}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"Invalid simulator seed: {seed!r}; expected an int")
+    if on_race not in _ON_RACE:
+        raise ValueError(f"Invalid on_race: {on_race!r}; expected one of {_ON_RACE}")
+    if host_bytes is not None and not is_count(host_bytes):
+        raise ValueError(f"Invalid simulated host_bytes: {host_bytes!r}; expected an int >= 0 or None")
+    if device_memory is not None and not is_count(device_memory):
+        raise ValueError(f"Invalid simulated device_memory: {device_memory!r}; expected an int >= 0 or None")
+    if timing is not None and not isinstance(timing, LinkModel):
+        raise TypeError(f"SimBackend timing must be a LinkModel or None, got {type(timing).__name__}")
