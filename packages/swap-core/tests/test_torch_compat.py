@@ -32,6 +32,7 @@ from swap_core.torch_compat import (
     share_hook_registries,
     step_hooks_silenced,
     storage_id,
+    tensor_version,
 )
 
 
@@ -219,3 +220,10 @@ def test_private_function_finds_torchs_function_or_names_what_moved() -> None:
         private_function("torch.optim.optimizer", "_gone", user="a test")
     with pytest.raises(TorchCompatError, match=r"no torch\._no_such_module\.f"):
         private_function("torch._no_such_module", "f", user="a test")
+
+
+def test_tensor_version_counts_in_place_writes() -> None:
+    tensor = torch.zeros(2)
+    before = tensor_version(tensor)
+    tensor.add_(1)
+    assert tensor_version(tensor) == before + 1

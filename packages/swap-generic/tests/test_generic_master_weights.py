@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, SwapOptimizer
-from swap_core.errors import StateDictMismatchError
+from swap_core.errors import StateDictMismatchError, SwapStateError
 from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
@@ -275,6 +275,32 @@ def test_outside_step_methods_are_named_and_others_refused() -> None:
         optimizer.outside_step("zero_grad")
     plain = swapped(make_params(), FACTORIES["sgd_nesterov_wd"], SimBackend())
     assert plain.adapter.outside_step_methods == () and not hasattr(plain, "eval")
+
+
+class WritesPerParameter(LerpOnEval):
+    """An ``eval()`` that writes a group value depending on the group's parameters: it cannot run one parameter
+    at a time."""
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        super().eval()
+        for group in self.param_groups:
+            group["seen"] = sum(param.numel() for param in group["params"])
+
+
+def test_an_outside_step_method_writing_per_parameter_values_is_refused_and_the_groups_keep_the_first_writes() -> None:
+    params = make_params()
+    optimizer = swapped(params, WritesPerParameter, SimBackend(mode="lazy"))
+    set_same_grads(0, params)
+    optimizer.step()
+    listed = optimizer.param_groups[0]["params"]
+    first, second = params[0].numel(), params[1].numel()
+    refused = rf"WritesPerParameter\.eval wrote param group 0's 'seen' as {first} for the first parameter and as "
+    with pytest.raises(SwapStateError, match=refused + rf"{second} for parameter 1: it cannot run one parameter"):
+        optimizer.eval()
+    group = optimizer.param_groups[0]
+    assert group["params"] is listed, "the groups list their parameters again"
+    assert group["seen"] == first and group["train_mode"] is False, "the groups as the finished call left them"
 
 
 BNB_SHAPES_AND_DTYPES = (((128, 64), torch.bfloat16), ((8192,), torch.float16), ((16,), torch.float32))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swap_generic.torch_compat import tensor_version, unhooked_step
+from swap_generic.torch_compat import unhooked_step
 
 
 def _sgd() -> torch.optim.SGD:
@@ -22,10 +22,3 @@ def test_unhooked_step_is_the_function_below_torchs_hook_wrapper() -> None:
     assert torch.equal(optimizer.param_groups[0]["params"][0].detach(), torch.full((3,), 0.9))
     optimizer.step()
     assert calls == ["pre"]
-
-
-def test_tensor_version_counts_in_place_writes() -> None:
-    tensor = torch.zeros(2)
-    before = tensor_version(tensor)
-    tensor.add_(1)
-    assert tensor_version(tensor) == before + 1

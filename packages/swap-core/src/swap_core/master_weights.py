@@ -24,6 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .adapters.base import UpdateBatch
 from .errors import SwapStateError
+from .runtime.group_values import GroupValues
+from .runtime.narrowed_groups import NarrowedGroups
 from .runtime.state_keys import MASTER_KEY, is_fresh
 from .runtime.tracked_state import TrackedState
 
@@ -291,7 +293,7 @@ def _keys(state: Mapping[str, Any]) -> str:
 
 
 def outside_step_on_masters(
-    optimizer: torch.optim.Optimizer, backend: DeviceBackend, call: Callable[[], _Result]
+    optimizer: torch.optim.Optimizer, backend: DeviceBackend, call: Callable[[], _Result], *, method: str = "method"
 ) -> _Result:
     """Run ``call`` (a method of ``optimizer`` that reads and writes parameters and states outside ``step()``) as the
     plain optimizer over fp32 masters would run it, one parameter at a time.
@@ -300,44 +302,39 @@ def outside_step_on_masters(
     the master (the parameter itself when it has none) with those device states as its ``state`` entry, and
     ``call`` runs; the states and the master are then copied back to their host mirrors and the parameter is set
     from the master. Group values (``train_mode``...) are restored before each parameter's call, and every call
-    must leave the same ones, which are kept. Device memory: one parameter's states at a time. The caller has
+    must leave the same ones, which are kept (``method``, its name, names it otherwise); a call that changes the
+    param groups is refused. Device memory: one parameter's states at a time. The caller has
     synchronized the optimizer and dropped any prefetch; host mirrors are current again when this returns.
     """
-    groups = optimizer.param_groups
-    originals = [group["params"] for group in groups]
-    before = [_GroupValues(group) for group in groups]
-    after: list[_GroupValues] | None = None
+    values = GroupValues(optimizer, method=method, share="parameter", refusal=_not_one_parameter_at_a_time)
+    narrowed = NarrowedGroups(optimizer, method=method)
     results: list[_Result] = []
     try:
-        for group, params in zip(groups, originals, strict=True):
-            for param in params:
-                for values in before:
-                    values.restore()
-                with _staged(optimizer, backend, param) as presented:
-                    for other in groups:
-                        other["params"] = [presented] if other is group else []
-                    with backend.compute_scope():
-                        results.append(call())
-                        if presented is not param:
-                            with torch.no_grad():
-                                param.copy_(presented)
-                now = [_GroupValues(other) for other in groups]
-                if after is None:
-                    after = now
-                elif any(not first.same_as(later) for first, later in zip(after, now, strict=True)):
-                    raise SwapStateError(
-                        f"{type(optimizer).__name__}'s method run outside step() wrote different param group values "
-                        "for different parameters; it cannot run one parameter at a time over fp32 masters"
-                    )
+        for group in list(optimizer.param_groups):
+            for param in list(group["params"]):
+                values.before_batch()
+                with _staged(optimizer, backend, param) as presented, backend.compute_scope():
+                    results.append(narrowed.run(call, group, [presented]))
+                    if presented is not param:
+                        with torch.no_grad():
+                            param.copy_(presented)
+                values.after_batch(len(results) - 1)
+    except BaseException:
+        # The groups as the calls that finished left them (as before any, where none did).
+        if results:
+            values.put_back_first_writes()
+        else:
+            values.put_back_start()
+        raise
     finally:
-        for group, params in zip(groups, originals, strict=True):
-            group["params"] = params
-        for values in after if after is not None else before:
-            values.restore()
         backend.synchronize()
     if not results:  # no parameter at all: once over the (empty) groups, as the plain optimizer would
         return call()
     return results[-1]
+
+
+def _not_one_parameter_at_a_time(sentence: str) -> Exception:
+    return SwapStateError(f"{sentence}: it cannot run one parameter at a time over fp32 masters")
 
 
 @contextlib.contextmanager
@@ -365,30 +362,3 @@ def _staged(optimizer: torch.optim.Optimizer, backend: DeviceBackend, param: tor
     finally:
         for _, device in staged.values():
             backend.release_storage(device)
-
-
-class _GroupValues:
-    """A param group's values other than ``params`` (tensors by value), to put back and to compare."""
-
-    def __init__(self, group: dict[str, Any]) -> None:
-        self._group = group
-        self._values = {key: value for key, value in group.items() if key != "params"}
-        self._tensors = {key: value.clone() for key, value in self._values.items() if isinstance(value, torch.Tensor)}
-
-    def restore(self) -> None:
-        for key in [key for key in self._group if key != "params" and key not in self._values]:
-            del self._group[key]
-        self._group.update(self._values)
-        for key, saved in self._tensors.items():
-            self._values[key].copy_(saved)
-
-    def same_as(self, other: _GroupValues) -> bool:
-        if self._values.keys() != other._values.keys():
-            return False
-        for key, value in self._values.items():
-            if key in self._tensors:
-                if not torch.equal(self._tensors[key], other._tensors[key]):
-                    return False
-            elif other._values[key] != value:
-                return False
-        return True

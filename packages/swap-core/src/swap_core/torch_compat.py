@@ -51,6 +51,7 @@ __all__ = [
     "share_hook_registries",
     "step_hooks_silenced",
     "storage_id",
+    "tensor_version",
 ]
 
 MODULES_BINDING_THE_DEFAULT_GROUP = (
@@ -62,6 +63,18 @@ MODULES_BINDING_THE_DEFAULT_GROUP = (
 
 Imported after ``init_process_group`` (``torch.distributed.fsdp`` imports the first one on its
 way), they hold that group for the life of the process. Checked: torch 2.13."""
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How often ``tensor`` was written in place: autograd's version counter ``tensor._version``
+    (checked: torch 2.13)."""
+    version = getattr(tensor, "_version", None)
+    if not isinstance(version, int):
+        raise TorchCompatError(
+            "torch.Tensor._version is gone (checked against torch 2.13): "
+            "swap_core.torch_compat.tensor_version needs updating for this torch"
+        )
+    return version
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:

@@ -25,10 +25,9 @@ from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch, re
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.master_weights import masters_presented, model_param
+from swap_core.runtime import GroupValues, NarrowedGroups
 from swap_core.torch_compat import step_hooks_silenced
 
-from .group_values import GroupValues
-from .narrowed_groups import NarrowedGroups
 from .probe import probe_step
 from .third_party import outside_step_methods, third_party_refusal
 from .torch_compat import unhooked_step

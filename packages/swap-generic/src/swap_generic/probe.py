@@ -42,10 +42,9 @@ from typing import Any
 import torch
 
 from swap_core.errors import UnsupportedOptimizerError
+from swap_core.runtime import GroupValues, NarrowedGroups, same_value
 from swap_core.torch_compat import step_hooks_silenced
 
-from .group_values import GroupValues, same_value
-from .narrowed_groups import NarrowedGroups
 from .torch_compat import unhooked_step
 
 __all__ = ["PROBE_STEPS", "ProbeVerdict", "probe_step"]

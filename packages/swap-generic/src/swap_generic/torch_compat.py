@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TorchCompatError", "tensor_version", "unhooked_step"]
+__all__ = ["TorchCompatError", "unhooked_step"]
 
 
 class TorchCompatError(RuntimeError):
@@ -38,15 +38,3 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
             )
         step = inner
     return functools.partial(step, optimizer)
-
-
-def tensor_version(tensor: torch.Tensor) -> int:
-    """How often ``tensor`` was written in place: autograd's version counter ``tensor._version``
-    (checked: torch 2.13)."""
-    version = getattr(tensor, "_version", None)
-    if not isinstance(version, int):
-        raise TorchCompatError(
-            "torch.Tensor._version is gone (checked against torch 2.13): "
-            "swap_generic.torch_compat.tensor_version needs updating for this torch"
-        )
-    return version

@@ -145,7 +145,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not self.config.master_weights:
             return method()
         assert self.backend is not None
-        return outside_step_on_masters(self.optimizer, self.backend, method)
+        return outside_step_on_masters(self.optimizer, self.backend, method, method=name)
 
     def _share_hooks(self) -> None:
         # Hooks registered on the plain optimizer (before wrapping, too) run once per step.

@@ -1,9 +1,10 @@
-"""The wrapped optimizer's param groups during one ``step()``: narrowed to one batch around each per-batch step.
+"""The wrapped optimizer's param groups narrowed to one share around each run of its own code.
 
-For each pipeline batch, the batch's group gets the batch's share of its parameters as ``"params"``
-and every other group an empty list; the optimizer's own step runs, and the original list objects
-are put back afterwards, whatever happens. Group dicts keep their identity (LR schedulers write
-``group["lr"]``). This runs once per batch, so what can be is prepared once per step.
+For each pipeline batch (swap-generic's step), or each parameter (a method run outside ``step()``
+over fp32 masters), the share's group gets the share of its parameters as ``"params"`` and every
+other group an empty list; the optimizer's own code runs, and the original list objects are put
+back afterwards, whatever happens. Group dicts keep their identity (LR schedulers write
+``group["lr"]``). This runs once per share, so what can be is prepared once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from swap_core.errors import UnsupportedOptimizerError
+from ..errors import UnsupportedOptimizerError
 
 __all__ = ["NarrowedGroups"]
 
@@ -24,14 +25,16 @@ _PARAMS = operator.itemgetter("params")
 class NarrowedGroups:
     """The groups and their ``"params"`` lists as one step found them; :meth:`run` narrows them for one batch."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, method: str = "step") -> None:
+        """``method``: what runs narrowed, as a refusal names it."""
         self._optimizer = optimizer
+        self._method = method
         self._groups = optimizer.param_groups
         self._members = list(self._groups)
         self._originals = list(map(_PARAMS, self._members))
 
-    def run(self, step: Callable[[], Any], target: dict[str, Any] | None, params: list[torch.Tensor]) -> None:
-        """``step()`` with ``target``'s params narrowed to ``params`` and every other group's empty.
+    def run(self, step: Callable[[], Any], target: dict[str, Any] | None, params: list[torch.Tensor]) -> Any:
+        """``step()`` with ``target``'s params narrowed to ``params`` and every other group's empty; what it returns.
 
         Refuses a step that added, removed or re-listed parameters or groups (after putting the groups back).
         """
@@ -42,16 +45,17 @@ class NarrowedGroups:
         try:
             for group in self._members:
                 group["params"] = share if group is target else []
-            step()
+            result = step()
             kept = self._kept(target, share, size)
         finally:
             self._restore(groups_too=not kept)  # a step that raised may have edited the groups as well
         if not kept:
             raise UnsupportedOptimizerError(
-                f"{type(self._optimizer).__name__}.step changed param_groups (added, removed or replaced parameters "
-                "or groups): swap-generic runs the step batch by batch over a share of each group, which such a "
-                "step would corrupt. Edit param_groups between steps instead"
+                f"{type(self._optimizer).__name__}.{self._method} changed param_groups (added, removed or replaced "
+                f"parameters or groups): the {self._method} runs share by share over a part of each group, which "
+                "such a change would corrupt. Edit param_groups between steps instead"
             )
+        return result
 
     def _kept(self, target: dict[str, Any] | None, share: list[torch.Tensor], size: int) -> bool:
         """Whether the groups are the ones given, ``target`` holding ``share`` (still ``size`` long), the others

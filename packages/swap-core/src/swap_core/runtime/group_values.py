@@ -1,25 +1,30 @@
-"""Param group values that a step writes: every batch starts from the values the step started from.
+"""Param group values that an optimizer's own code writes, when it runs share by share.
 
 Most optimizers only read their groups' options during ``step()``. Some write them (schedule-free
 AdamW counts steps in ``group["k"]`` and sums weights in ``group["weight_sum"]``): run once per
 batch, such a step would count one step per batch. :class:`GroupValues` remembers every non-
 ``params`` value when the step begins, puts it back before each later batch, and checks that each
 batch wrote exactly what the first one wrote, so that the groups end as one plain step leaves them.
+swap-generic runs a step batch by batch this way, and master weights run a method outside ``step()``
+one parameter at a time (:func:`~swap_core.master_weights.outside_step_on_masters`).
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from swap_core.errors import UnsupportedOptimizerError
+from ..errors import UnsupportedOptimizerError
+from ..torch_compat import tensor_version
 
-from .torch_compat import tensor_version
+__all__ = ["GroupValues", "Refusal", "same_value"]
 
-__all__ = ["GroupValues", "same_value"]
+Refusal = Callable[[str], Exception]
+"""Makes the error raised when a later share wrote other values than the first, from a sentence naming them."""
 
 _ABSENT = object()
 """A key the step deleted (or, in a snapshot, one the group did not have)."""
@@ -28,8 +33,19 @@ _ABSENT = object()
 class GroupValues:
     """The non-``params`` values of every param group at the start of one step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        method: str = "step",
+        share: str = "batch",
+        refusal: Refusal | None = None,
+    ) -> None:
+        """``method`` of ``optimizer`` runs once per ``share``; ``refusal`` makes the error of a share that wrote
+        other values than the first (default: a step that is not per-parameter, which cannot run batch by batch)."""
         self._optimizer = optimizer
+        self._method, self._share = method, share
+        self._refusal = refusal if refusal is not None else _not_per_parameter
         self._groups = list(optimizer.param_groups)
         self._start = [_values(group) for group in self._groups]
         # Tensor values may be written in place: their start values are kept (a few scalars, e.g. a tensor lr).
@@ -47,6 +63,8 @@ class GroupValues:
             (group, tuple(group), tuple(group.values()), [(group[key], saved[1]) for key, saved in tensors.items()])
             for group, tensors in zip(self._groups, self._start_tensors, strict=True)
         ]
+        self._written_in_place: list[set[str]] = []
+        """Per group, the keys whose tensor the first batch wrote in place."""
         self._written: list[dict[str, Any]] | None = None
         """What the first batch wrote, per group (tensors written in place: a copy of what they hold)."""
 
@@ -87,6 +105,10 @@ class GroupValues:
             return
         writes = list(map(self._writes, range(len(self._groups))))
         if self._written is None:
+            self._written_in_place = [
+                {key for key, value in group.items() if isinstance(value, torch.Tensor) and value is start.get(key)}
+                for group, start in zip(writes, self._start, strict=True)
+            ]
             self._written = [
                 {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in group.items()}
                 for group in writes
@@ -98,12 +120,26 @@ class GroupValues:
         for index, (wrote, first) in enumerate(zip(writes, expected, strict=True)):
             for key in sorted(set(wrote) | set(first), key=str):
                 if not same_value(wrote.get(key, _ABSENT), first.get(key, _ABSENT)):
-                    raise UnsupportedOptimizerError(
-                        f"{type(self._optimizer).__name__}.step wrote param group {index}'s {key!r} as "
-                        f"{_show(first.get(key, _ABSENT))} for the first batch and as {_show(wrote.get(key, _ABSENT))} "
-                        f"for batch {batch_index}: its step is not per-parameter, so it cannot run batch by batch; "
-                        "it needs a dedicated adapter (swap_core.register_adapter)"
+                    raise self._refusal(
+                        f"{type(self._optimizer).__name__}.{self._method} wrote param group {index}'s {key!r} as "
+                        f"{_show(first.get(key, _ABSENT))} for the first {self._share} and as "
+                        f"{_show(wrote.get(key, _ABSENT))} for {self._share} {batch_index}"
                     )
+
+    def put_back_first_writes(self) -> None:
+        """Every group as the first share left it (a later share failed): the start values, then what the first
+        share wrote (a tensor it wrote in place gets those values again, in place)."""
+        self.before_batch()
+        for group, start, written, in_place in zip(
+            self._groups, self._start, self._written or [], self._written_in_place, strict=False
+        ):
+            for key, value in written.items():
+                if value is _ABSENT:
+                    group.pop(key, None)
+                elif key in in_place:
+                    start[key].copy_(value)
+                else:
+                    group[key] = value
 
     def _untouched(self) -> bool:
         """Whether every group holds the very keys and values the step started with (tensors not written)."""
@@ -158,6 +194,13 @@ def same_value(first: object, second: object) -> bool:
         return bool(first == second)
     except Exception:  # a value whose == is not a truth value (an array): unequal unless identical
         return False
+
+
+def _not_per_parameter(sentence: str) -> Exception:
+    return UnsupportedOptimizerError(
+        f"{sentence}: its step is not per-parameter, so it cannot run batch by batch; it needs a dedicated adapter "
+        "(swap_core.register_adapter)"
+    )
 
 
 def _show(value: object) -> str:
