@@ -179,9 +179,9 @@ def _stage_value(
             # The loaded tensor's memory order, as torch's load keeps it (a fused kernel reads memory in order).
             stride = layout_stride(host_value)
             if whole:
-                slot = SwapSlot(param, key, torch.Size(value.shape), dtype, stride=stride)
+                slot = SwapSlot.whole(param, key, value.shape, dtype, stride)
             else:
-                slot = SwapSlot(param, key, local_tensor(param).shape, dtype, shard_layout(param), stride)
+                slot = SwapSlot.sharded_like(param, key, dtype, stride=stride)
             if host_value.shape != slot.shape:
                 raise StateDictMismatchError(
                     f"State {key!r} of parameter {saved_id!r} has a local shard of shape {tuple(host_value.shape)}, "
@@ -214,9 +214,7 @@ def _master_from_param(store: StateStore, new: list[tuple[SwapSlot, StateSource]
     one parameter at a time) or resident (an fp32 device copy)."""
     template = StateInit(tuple(param.shape), torch.float32)
     if store.should_swap(MASTER_KEY, template):
-        local = local_tensor(param)
-        slot = SwapSlot(param, MASTER_KEY, local.shape, torch.float32, shard_layout(param), layout_stride(local))
-        new.append((slot, param.detach()))
+        new.append((SwapSlot.sharded_like(param, MASTER_KEY, torch.float32), param.detach()))
         return template
     return store.resident_copy(param.detach().float())
 

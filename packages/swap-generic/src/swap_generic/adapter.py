@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch, refuse_differentiable
+from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch, compare_state, refuse_differentiable
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.master_weights import masters_presented, model_param
@@ -184,22 +184,12 @@ class GenericAdapter(StateSwapAdapter):
         signature: StateSignature | None = self._signatures.get(model_param(param))  # type: ignore[no-untyped-call]
         if signature is None:
             return None
-        missing = [key for key in signature if key not in state]
-        if missing:
-            return f"lacks {_keys(missing)}, which the update reads (it has {_keys(list(state))})"
-        unknown = [key for key in state if key not in signature]
-        if unknown:
-            return (
-                f"has {_keys(unknown)}, which {type(self.optimizer).__name__} did not create "
-                f"(its keys are {_keys(list(signature))})"
-            )
-        for key, expected in signature.items():
-            value = state[key]
-            if expected is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != expected[0]:
-                return (
-                    f"has {key!r} of shape {tuple(value.shape)}, but the optimizer created it with shape {expected[0]}"
-                )
-        return None
+        return compare_state(
+            state,
+            {key: None if expected is None else expected[0] for key, expected in signature.items()},
+            unknown=f"which {type(self.optimizer).__name__} did not create",
+            wrong_shape="the optimizer created it with shape",
+        )
 
     def _narrowed_step(self, target: dict[str, Any] | None, params: list[torch.Tensor], *, batch_index: int) -> None:
         """The optimizer's own step over ``params`` of group ``target`` (once per pipeline batch: kept lean,
@@ -291,10 +281,6 @@ def _signature(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> St
                 "Write a dedicated adapter for this optimizer"
             )
     return signature
-
-
-def _keys(keys: Sequence[object]) -> str:
-    return ", ".join(repr(key) for key in keys) or "no keys"
 
 
 def register(registry: AdapterRegistry) -> None:

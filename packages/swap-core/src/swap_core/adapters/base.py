@@ -26,6 +26,7 @@ __all__ = [
     "StateInit",
     "StateSwapAdapter",
     "UpdateBatch",
+    "compare_state",
     "refuse_differentiable",
 ]
 
@@ -171,18 +172,12 @@ class StateSwapAdapter(abc.ABC):
         if self.lazy_states:
             return None
         expected = self.initial_state(param, dict(group))
-        missing = [key for key in expected if key not in state]
-        if missing:
-            return f"lacks {_keys(missing)}, which the update reads (it has {_keys(list(state))})"
-        unknown = [key for key in state if key not in expected]
-        if unknown:
-            return f"has {_keys(unknown)}, which this family does not create (its keys are {_keys(list(expected))})"
-        for key, template in expected.items():
-            value = state[key]
-            wrong_shape = isinstance(value, torch.Tensor) and tuple(value.shape) != template.shape
-            if isinstance(template, StateInit) and wrong_shape:
-                return f"has {key!r} of shape {tuple(value.shape)}, but the parameter needs {template.shape}"
-        return None
+        return compare_state(
+            state,
+            {key: template.shape if isinstance(template, StateInit) else None for key, template in expected.items()},
+            unknown="which this family does not create",
+            wrong_shape="the parameter needs",
+        )
 
     def params_changed(self, params: Sequence[torch.Tensor]) -> None:
         """The optimizer's parameters (or their order) changed; ``params`` is the new order. Raise to refuse.
@@ -227,6 +222,26 @@ class StateSwapAdapter(abc.ABC):
         modify the live state (loading checks everything before committing). Default: unchanged.
         """
         return state_dict
+
+
+def compare_state(
+    state: Mapping[str, Any], expected: Mapping[str, tuple[int, ...] | None], *, unknown: str, wrong_shape: str
+) -> str | None:
+    """Why ``state`` is not a state with exactly the keys of ``expected`` and, where it gives one, that shape; or
+    ``None``. The sentence continues "The state of parameter i ...": ``unknown`` says why a key not expected is
+    wrong ("which this family does not create"), ``wrong_shape`` leads to the expected shape ("the parameter
+    needs")."""
+    missing = [key for key in expected if key not in state]
+    if missing:
+        return f"lacks {_keys(missing)}, which the update reads (it has {_keys(list(state))})"
+    extra = [key for key in state if key not in expected]
+    if extra:
+        return f"has {_keys(extra)}, {unknown} (its keys are {_keys(list(expected))})"
+    for key, shape in expected.items():
+        value = state[key]
+        if shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+            return f"has {key!r} of shape {tuple(value.shape)}, but {wrong_shape} {shape}"
+    return None
 
 
 def _keys(keys: Sequence[object]) -> str:

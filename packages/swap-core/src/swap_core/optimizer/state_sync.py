@@ -21,9 +21,9 @@ from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..master_weights import MASTER_KEY, has_master, is_fresh
-from ..runtime.dtensor import local_tensor, shard_layout
+from ..runtime.dtensor import local_tensor
 from ..runtime.pipeline import PipelineScheduler
-from ..runtime.slots import SwapSlot, layout_stride
+from ..runtime.slots import SwapSlot
 from ..runtime.store import StateSource, StateStore
 from ..runtime.tracked_state import TrackedState
 from .wrapping import as_updated, check_distinct_params, check_master_weights_supported, check_states, swap_keys
@@ -322,7 +322,7 @@ class StateSync:
                 if key in swapped:
                     continue
                 if isinstance(value, torch.Tensor) and store.should_swap(key, value):
-                    new.append((_slot_like(value, key, value.dtype, param=param), value))
+                    new.append((SwapSlot.sharded_like(param, key, value.dtype, like=value), value))
         store.add(new, self.ordered_params() if order is None else order, unpacked=unpacked)
         if new:
             self.changed()
@@ -376,16 +376,5 @@ def _layout(groups: Sequence[Mapping[str, Any]], ordered: Sequence[torch.Tensor]
 def _slot_for(param: torch.Tensor, key: str, init: StateInit) -> SwapSlot:
     """A slot for a fresh state: a shard like ``param``'s, or a whole tensor this rank holds alone."""
     if init.shard_like_param:
-        return _slot_like(param, key, init.dtype)
-    return SwapSlot(param, key, torch.Size(init.shape), init.dtype)
-
-
-def _slot_like(like: torch.Tensor, key: str, dtype: torch.dtype, *, param: torch.Tensor | None = None) -> SwapSlot:
-    """A slot for state ``key`` shaped, laid out and sharded like ``like``; bytes are always the local shard's.
-
-    Laid out like ``like`` as torch's ``zeros_like(p, memory_format=torch.preserve_format)`` is: a fused
-    kernel reads a state in memory order, so a channels-last parameter's moments must be channels-last.
-    """
-    local = local_tensor(like)
-    owner = param if param is not None else like
-    return SwapSlot(owner, key, local.shape, dtype, shard_layout(like), layout_stride(local))
+        return SwapSlot.sharded_like(param, key, init.dtype)
+    return SwapSlot.whole(param, key, init.shape, init.dtype)

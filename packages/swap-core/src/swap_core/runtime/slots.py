@@ -13,13 +13,14 @@ authoritative. ``h2d``: a prefetch copy is enqueued. A slot born in host memory
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 
 from ..backends.tensor_layout import is_dense
 from ..errors import SwapStateError
-from .dtensor import ShardLayout
+from .dtensor import ShardLayout, local_tensor, shard_layout
 
 __all__ = ["SlotState", "SwapSlot", "is_swappable", "is_swappable_dtype", "layout_stride", "transition"]
 
@@ -86,6 +87,38 @@ class SwapSlot:
         self.state = SlotState.PENDING
         self.layout = layout
         """DTensor layout of the state; ``shape`` and all bytes are the local shard's."""
+
+    @classmethod
+    def whole(
+        cls,
+        param: torch.Tensor,
+        key: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stride: tuple[int, ...] | None = None,
+    ) -> SwapSlot:
+        """A state of ``param`` this rank holds whole: its own ``shape`` (Adafactor's row statistics, a state an
+        owner rank keeps for a DTensor parameter), not sharded; ``stride``: a memory order other than contiguous."""
+        return cls(param, key, torch.Size(shape), dtype, stride=stride)
+
+    @classmethod
+    def sharded_like(
+        cls,
+        param: torch.Tensor,
+        key: str,
+        dtype: torch.dtype,
+        *,
+        like: torch.Tensor | None = None,
+        stride: tuple[int, ...] | Literal["like"] | None = "like",
+    ) -> SwapSlot:
+        """A state of ``param`` shaped, sharded and laid out like ``like`` (``param`` itself by default): the local
+        shard's shape, the DTensor layout, and its memory order, as ``zeros_like(p, memory_format=
+        torch.preserve_format)`` keeps it (a fused kernel reads a state in memory order, so a channels-last
+        parameter's moments are channels-last). ``stride`` replaces that memory order (a loaded tensor's own)."""
+        like = param if like is None else like
+        local = local_tensor(like)
+        order = layout_stride(local) if stride == "like" else stride
+        return cls(param, key, local.shape, dtype, shard_layout(like), order)
 
     def __repr__(self) -> str:
         return f"SwapSlot(key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype}, state={self.state.value})"

@@ -155,7 +155,7 @@ class StateStore:
             candidates += nbytes
             if swapped + nbytes <= self._offload_fraction * candidates:
                 swapped += nbytes
-                new.append(SwapSlot(param, key, torch.Size(template.shape), template.dtype))
+                new.append(SwapSlot.whole(param, key, template.shape, template.dtype))
         if not new:
             return
         needed = sum(pinned_size(slot.nbytes, self._host_memory) for slot in new)
