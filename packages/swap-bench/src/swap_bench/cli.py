@@ -158,6 +158,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_main(arguments[1:])
     if arguments[:1] == ["narrowing"]:
         return narrowing_main(arguments[1:])
+    parser = _measure_parser()
+    args = parser.parse_args(arguments)
+    if args.backend not in ("auto", "sim") and not accelerator_available(args.backend):
+        parser.error(
+            f"--backend {args.backend}: torch {torch.__version__} has no usable {args.backend} device here "
+            "(use --backend sim, or auto)"
+        )
+    torch.set_num_threads(args.threads)
+    backend_name, detail, factory = _backend(args.backend)
+    host_allocator = "system"
+    if backend_name == "sim" and not args.system_allocator:
+        host_allocator = keep_freed_host_memory() or "system (glibc mallopt unavailable)"
+    table = QUICK_WORKLOADS if args.quick else WORKLOADS
+    workloads = [table[name] for name in args.workloads]
+    rows, left_out = plan_rows(workloads, args.optimizers, quick=args.quick, on_cpu=backend_name == "sim")
+    baselines = args.compare if "adamw" in args.optimizers else []
+    comparisons, comparisons_left_out = plan_comparisons(workloads, baselines, backend_name=backend_name)
+    console = Console(width=None if Console().is_terminal else 240)
+    report = run_bench(
+        rows,
+        factory,
+        backend_name=backend_name,
+        backend_detail=detail,
+        quick=args.quick,
+        threads=args.threads,
+        host_allocator=host_allocator,
+        warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 9),
+        console=console,
+        comparisons=comparisons,
+        link_model=args.link,
+    )
+    report.skipped[:0] = [*left_out, *comparisons_left_out]
+    render_table(report, console)
+    if args.quick:
+        console.print(SMOKE_RUN)
+    console.print(f"JSON report: {report.save(args.json)}")
+    return 0
+
+
+def _measure_parser() -> argparse.ArgumentParser:
+    """The options of ``swap-bench`` (measure)."""
     parser = argparse.ArgumentParser(
         prog="swap-bench",
         formatter_class=HelpFormatter,
@@ -208,43 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=list(LINK_PRESETS),
         help="the link the rows are also modeled on (virtual clock, meta tensors), beside the measured ones",
     )
-    args = parser.parse_args(arguments)
-    if args.backend not in ("auto", "sim") and not accelerator_available(args.backend):
-        parser.error(
-            f"--backend {args.backend}: torch {torch.__version__} has no usable {args.backend} device here "
-            "(use --backend sim, or auto)"
-        )
-    torch.set_num_threads(args.threads)
-    backend_name, detail, factory = _backend(args.backend)
-    host_allocator = "system"
-    if backend_name == "sim" and not args.system_allocator:
-        host_allocator = keep_freed_host_memory() or "system (glibc mallopt unavailable)"
-    table = QUICK_WORKLOADS if args.quick else WORKLOADS
-    workloads = [table[name] for name in args.workloads]
-    rows, left_out = plan_rows(workloads, args.optimizers, quick=args.quick, on_cpu=backend_name == "sim")
-    baselines = args.compare if "adamw" in args.optimizers else []
-    comparisons, comparisons_left_out = plan_comparisons(workloads, baselines, backend_name=backend_name)
-    console = Console(width=None if Console().is_terminal else 240)
-    report = run_bench(
-        rows,
-        factory,
-        backend_name=backend_name,
-        backend_detail=detail,
-        quick=args.quick,
-        threads=args.threads,
-        host_allocator=host_allocator,
-        warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
-        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 9),
-        console=console,
-        comparisons=comparisons,
-        link_model=args.link,
-    )
-    report.skipped[:0] = [*left_out, *comparisons_left_out]
-    render_table(report, console)
-    if args.quick:
-        console.print(SMOKE_RUN)
-    console.print(f"JSON report: {report.save(args.json)}")
-    return 0
+    return parser
 
 
 def _backend(name: str) -> tuple[str, str, Callable[[], DeviceBackend]]:

@@ -99,20 +99,7 @@ def measure_row(
     repeats: int,
 ) -> RowResult:
     backend = backend_factory()
-    device = backend.device
-    plain_params = [p for p in row.workload.make_params(device) if row.optimizer.accepts(p)]
-    swapped_params = [p for p in row.workload.make_params(device) if row.optimizer.accepts(p)]
-    grads = row.workload.make_grads(plain_params)
-    for params in (plain_params, swapped_params):
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad.clone()
-    plain = row.optimizer.build(plain_params)
-    config = SwapConfig(swap_times=row.swap_times, packed=row.packed, duplex=row.duplex, backend=backend)
-    swapped = swap_optimizer(row.optimizer.build(swapped_params), config)
-    # Two steps at least: an optimizer whose own step creates its states (swap-generic) moves none in its first.
-    for _ in range(max(warmup, 2)):
-        plain.step()
-        swapped.step()
+    plain_params, plain, swapped = _warmed_pair(row, backend, warmup)
     sizes = _transfer_sizes(swapped)
     if sum(map(sum, sizes)) != swapped.stats.h2d_bytes:
         raise AssertionError(
@@ -165,6 +152,28 @@ def measure_row(
         host_state_bytes=stats.host_state_bytes,
         host_pinned_bytes=stats.host_pinned_bytes,
     )
+
+
+def _warmed_pair(
+    row: RowConfig, backend: DeviceBackend, warmup: int
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, SwapOptimizer]:
+    """The plain optimizer's parameters, the plain optimizer and the swapped one of ``row``, on identical parameters
+    with the same gradients, after ``warmup`` steps (two at least)."""
+    device = backend.device
+    plain_params = [p for p in row.workload.make_params(device) if row.optimizer.accepts(p)]
+    swapped_params = [p for p in row.workload.make_params(device) if row.optimizer.accepts(p)]
+    grads = row.workload.make_grads(plain_params)
+    for params in (plain_params, swapped_params):
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+    plain = row.optimizer.build(plain_params)
+    config = SwapConfig(swap_times=row.swap_times, packed=row.packed, duplex=row.duplex, backend=backend)
+    swapped = swap_optimizer(row.optimizer.build(swapped_params), config)
+    # Two steps at least: an optimizer whose own step creates its states (swap-generic) moves none in its first.
+    for _ in range(max(warmup, 2)):
+        plain.step()
+        swapped.step()
+    return plain_params, plain, swapped
 
 
 class BaselineOptimizer(Protocol):

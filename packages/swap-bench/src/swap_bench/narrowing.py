@@ -129,17 +129,9 @@ def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingCo
         step_split()
         step_narrowed(batches())  # the first step creates the states
     ready = batches()  # the state dicts stay the same objects from now on: built once, outside the timings
-    full_times, split_times, narrowed_times = [], [], []
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(config.repeats):  # alternate, so drifting machine load hits all three alike
-            full_times.append(_timed(full_step))
-            split_times.append(_timed(step_split))
-            narrowed_times.append(_timed(lambda: step_narrowed(ready)))
-    finally:
-        if collecting:
-            gc.enable()
+    full_times, split_times, narrowed_times = _alternated_timings(
+        (full_step, step_split, lambda: step_narrowed(ready)), config.repeats
+    )
     per_batch = config.batches
     return NarrowingRow(
         optimizer=spec.name,
@@ -164,6 +156,22 @@ def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingCo
     )
 
 
+def _alternated_timings(steps: Sequence[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """The seconds of each of ``steps``, ``repeats`` times, one after the other in turn (so drifting machine load
+    hits all alike), with the garbage collector off."""
+    times: list[list[float]] = [[] for _ in steps]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for step, seconds in zip(steps, times, strict=True):
+                seconds.append(_timed(step))
+    finally:
+        if collecting:
+            gc.enable()
+    return times
+
+
 def _params(config: NarrowingConfig) -> list[torch.Tensor]:
     """The same values each call: parameters with fixed gradients."""
     generator = torch.Generator().manual_seed(0)
@@ -180,7 +188,7 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad
 
 
-def _timed(function: Callable[[], None]) -> float:
+def _timed(function: Callable[[], object]) -> float:
     start = time.perf_counter()
     function()
     return time.perf_counter() - start
@@ -213,32 +221,7 @@ def _agree(
 
 def narrowing_main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench narrowing`` command: measure, print the table, write the JSON report."""
-    parser = argparse.ArgumentParser(
-        prog="swap-bench narrowing",
-        formatter_class=HelpFormatter,
-        description="The host time swap-generic adds per batch when it runs an optimizer's own step over one batch's\n"
-        "share of its param groups (narrowed), against the plain step over all parameters, on the CPU.",
-    )
-    parser.add_argument(
-        "--optimizers",
-        nargs="+",
-        default=list(NARROWING_OPTIMIZERS),
-        choices=sorted(OPTIMIZERS),
-        help="optimizers measured",
-    )
-    parser.add_argument(
-        "--batches", type=positive_count, default=NarrowingConfig.batches, help="pipeline batches per step"
-    )
-    parser.add_argument(
-        "--params-per-batch", type=positive_count, default=NarrowingConfig.params_per_batch, help="parameters per batch"
-    )
-    parser.add_argument("--numel", type=positive_count, default=NarrowingConfig.numel, help="elements per parameter")
-    parser.add_argument("--repeats", type=positive_count, default=NarrowingConfig.repeats, help="timed steps")
-    parser.add_argument("--quick", action="store_true", help="a few repeats: a smoke run (schema, bitwise check)")
-    parser.add_argument("--threads", type=positive_count, default=1, help="torch CPU threads")
-    parser.add_argument(
-        "--json", type=output_file, default="swap-bench-narrowing.json", help="where to write the JSON report"
-    )
+    parser = _narrowing_parser()
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = NarrowingConfig(
@@ -276,6 +259,37 @@ def narrowing_main(argv: Sequence[str] | None = None) -> int:
     }
     console.print(f"JSON report: {save_json(document, args.json)}")
     return 0 if all(row.bitwise_equal for row in rows) else 1
+
+
+def _narrowing_parser() -> argparse.ArgumentParser:
+    """The options of ``swap-bench narrowing``."""
+    parser = argparse.ArgumentParser(
+        prog="swap-bench narrowing",
+        formatter_class=HelpFormatter,
+        description="The host time swap-generic adds per batch when it runs an optimizer's own step over one batch's\n"
+        "share of its param groups (narrowed), against the plain step over all parameters, on the CPU.",
+    )
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=list(NARROWING_OPTIMIZERS),
+        choices=sorted(OPTIMIZERS),
+        help="optimizers measured",
+    )
+    parser.add_argument(
+        "--batches", type=positive_count, default=NarrowingConfig.batches, help="pipeline batches per step"
+    )
+    parser.add_argument(
+        "--params-per-batch", type=positive_count, default=NarrowingConfig.params_per_batch, help="parameters per batch"
+    )
+    parser.add_argument("--numel", type=positive_count, default=NarrowingConfig.numel, help="elements per parameter")
+    parser.add_argument("--repeats", type=positive_count, default=NarrowingConfig.repeats, help="timed steps")
+    parser.add_argument("--quick", action="store_true", help="a few repeats: a smoke run (schema, bitwise check)")
+    parser.add_argument("--threads", type=positive_count, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--json", type=output_file, default="swap-bench-narrowing.json", help="where to write the JSON report"
+    )
+    return parser
 
 
 def _table(rows: Sequence[NarrowingRow], config: NarrowingConfig) -> Table:

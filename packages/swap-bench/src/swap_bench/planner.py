@@ -159,6 +159,36 @@ def plan_combinations(
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench plan`` command: model the rows, print the table, write the JSON report."""
+    parser = _plan_parser()
+    args = parser.parse_args(argv)
+    models = [_model(name, parser) for name in args.model]
+    for world in args.world:
+        if not args.rank < world:
+            parser.error(f"--rank must be in [0, {world}) for --world {world}, got {args.rank}")
+    console = Console(width=None if Console().is_terminal else 240)
+    started = time.perf_counter()
+    rows, skipped = plan_combinations(
+        models,
+        args.optimizer,
+        worlds=args.world,
+        links=args.link,
+        swap_times=args.swap_times,
+        master_weights=args.master_weights,
+        console=console,
+        rank=args.rank,
+        ranks_per_node=args.ranks_per_node,
+        device_memory=args.device_memory,
+    )
+    document = _plan_report(rows, skipped, models, console, rank=args.rank)
+    if args.markdown is not None:
+        Path(args.markdown).write_text(markdown_table(rows))
+    seconds = time.perf_counter() - started
+    console.print(f"planned {len(rows)} rows in {seconds:.1f} s; JSON report: {save_json(document, args.json)}")
+    return 0
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    """The options of ``swap-bench plan``."""
     parser = argparse.ArgumentParser(
         prog="swap-bench plan",
         formatter_class=HelpFormatter,
@@ -215,26 +245,14 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="also write the rows as a Markdown table (docs/benchmarks.md)",
     )
-    args = parser.parse_args(argv)
-    models = [_model(name, parser) for name in args.model]
-    for world in args.world:
-        if not args.rank < world:
-            parser.error(f"--rank must be in [0, {world}) for --world {world}, got {args.rank}")
-    console = Console(width=None if Console().is_terminal else 240)
-    started = time.perf_counter()
-    rows, skipped = plan_combinations(
-        models,
-        args.optimizer,
-        worlds=args.world,
-        links=args.link,
-        swap_times=args.swap_times,
-        master_weights=args.master_weights,
-        console=console,
-        rank=args.rank,
-        ranks_per_node=args.ranks_per_node,
-        device_memory=args.device_memory,
-    )
-    render_modeled_table(rows, console, title=f"swap-bench plan: rank {args.rank} of an FSDP2 shard, cold step")
+    return parser
+
+
+def _plan_report(
+    rows: list[ModeledRow], skipped: list[dict[str, str]], models: Sequence[ModelShape], console: Console, *, rank: int
+) -> dict[str, Any]:
+    """Print the table, what was skipped and each recommendation; the JSON report of the rows."""
+    render_modeled_table(rows, console, title=f"swap-bench plan: rank {rank} of an FSDP2 shard, cold step")
     for row in skipped:
         console.print(f"[yellow]skipped[/] {row['row']}: {row['reason']}")
     for chosen in rows:
@@ -244,7 +262,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                 f"(device peak {chosen.device_peak_state_bytes / 1e9:.2f} GB of {chosen.device_memory / 1e9:.2f} GB, "
                 f"modeled step {chosen.modeled_step_seconds:.3f} s)"
             )
-    document: dict[str, Any] = {
+    return {
         "schema": SCHEMA,
         "kind": "plan",
         "machine": machine_facts(),
@@ -255,11 +273,6 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         "modeled_rows": [row.as_dict() for row in rows],
         "narrowing_rows": [],
     }
-    if args.markdown is not None:
-        Path(args.markdown).write_text(markdown_table(rows))
-    seconds = time.perf_counter() - started
-    console.print(f"planned {len(rows)} rows in {seconds:.1f} s; JSON report: {save_json(document, args.json)}")
-    return 0
 
 
 def markdown_table(rows: Sequence[ModeledRow]) -> str:
