@@ -7,10 +7,9 @@ import dataclasses
 import torch
 
 from ..errors import DeviceMemoryError, SwapStateError
-from ..runtime.dtensor import local_tensor
 from ..runtime.plan import Partition, SwapPlan, build_plan, staging_bytes
-from ..runtime.store import StateStore
 from .auto_batching import AutoBatching
+from .state_creation import StateCreation
 from .state_sync import StateSync
 
 __all__ = ["PlanCache"]
@@ -20,8 +19,9 @@ class PlanCache:
     """Builds the plan from what :class:`StateSync` holds, checking every state first, and keeps it while nothing
     it is bound to changes."""
 
-    def __init__(self, sync: StateSync, auto: AutoBatching | None) -> None:
+    def __init__(self, sync: StateSync, creation: StateCreation, auto: AutoBatching | None) -> None:
         self.sync = sync
+        self.creation = creation
         self.auto = auto
         """``swap_times="auto"``'s choices, or ``None`` with a fixed ``swap_times``."""
         self.resident_bytes = 0
@@ -61,8 +61,8 @@ class PlanCache:
         sync.check_states(params, SwapStateError)
         costs = adapter.partition_costs([param for _, param in params])
         rank_independent = costs is not None
-        if costs is None and adapter.lazy_states:
-            costs = _costs_with_fresh_states(store, sync.state, [param for _, param in params])
+        if costs is None:
+            costs = self.creation.partition_costs(store, [param for _, param in params])
         swap_times = config.swap_times
         partition = Partition(
             num_batches=1 if swap_times == "auto" else swap_times,
@@ -118,26 +118,3 @@ class PlanCache:
         # A rank cannot retry alone with more batches where every rank must walk the same ones.
         auto.chose(count, len(params), may_retry=not rank_independent)
         return count
-
-
-def _costs_with_fresh_states(
-    store: StateStore, state: dict[torch.Tensor, dict[str, object]], params: list[torch.Tensor]
-) -> list[int] | None:
-    """Batching costs while some states are still to be created by the update, or ``None`` once none is.
-
-    A state not created yet has no size: the parameter's own bytes stand in for it, so that the
-    first step spreads the fresh states over ``swap_times`` batches as later steps spread them.
-    """
-    if all(state.get(param) for param in params):
-        return None
-    costs = []
-    for param in params:
-        slots = store.slots.get(param)
-        if slots:
-            costs.append(sum(slot.nbytes for slot in slots.values()))
-        elif state.get(param):
-            costs.append(0)  # a state without swapped tensors
-        else:
-            local = local_tensor(param)
-            costs.append(local.numel() * local.element_size())
-    return costs

@@ -257,26 +257,9 @@ class StateSync:
             self.store.check_room_for(fresh, self.ordered_params())
 
     # -- states made, moved and packed --------------------------------------------------
-    def create_missing_states(self, params: Iterable[tuple[int, torch.Tensor]]) -> None:
-        """Fresh states of parameters seen with a gradient for the first time, swapped ones born on the host.
-
-        Every ``initial_state`` is asked first, so an adapter that refuses a parameter leaves no
-        half-initialized state behind.
-        """
-        fresh: list[tuple[torch.Tensor, dict[str, torch.Tensor | StateInit]]]
-        if self.adapter.lazy_states:  # its update creates the states: only the masters it runs on are made here
-            fresh = [(param, {}) for _, param in params if has_master(param) and not self.state[param]]
-        else:
-            asked = [
-                (param, self.adapter.initial_state(self.as_updated(param), self.param_groups[group_index]))
-                for group_index, param in params
-                if not self.state[param]
-            ]
-            # A parameter the adapter keeps no state for (distributed Muon's matrices another rank owns) has nothing
-            # to create: left out, it does not make the plan be built again at every step.
-            fresh = [
-                (param, initial) for param, initial in asked if initial or (self.master_weights and has_master(param))
-            ]
+    def create_states(self, fresh: list[tuple[torch.Tensor, Mapping[str, torch.Tensor | StateInit]]]) -> None:
+        """Fresh states (``initial``, plus the master with master weights) of parameters that have none, swapped ones
+        born on the host; all or nothing (each parameter has no state again if the host lacks the memory)."""
         if not fresh:
             return
         self.changed()
@@ -287,9 +270,10 @@ class StateSync:
                 for param, initial in fresh:
                     state = self.state[param]
                     masters = self.master_weights and has_master(param)
+                    values = dict(initial)
                     if masters:  # the master starts as the parameter, exactly (fp32 holds every bf16/fp16 value)
-                        initial = {**initial, MASTER_KEY: StateInit(tuple(param.shape), torch.float32)}
-                    for key, value in initial.items():
+                        values[MASTER_KEY] = StateInit(tuple(param.shape), torch.float32)
+                    for key, value in values.items():
                         state[key] = value
                         if not isinstance(value, StateInit):
                             continue

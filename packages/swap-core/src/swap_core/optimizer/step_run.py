@@ -35,7 +35,7 @@ class StepRun:
         self.sync = sync
         self.plans = plans
         self.adapter = sync.adapter
-        self.lazy_states = sync.adapter.lazy_states
+        self.creation = plans.creation
         self.grads: list[torch.Tensor | None] = []
         """Every parameter's gradient, in parameter order, for the batches to slice."""
         self.batches_updated = 0
@@ -54,17 +54,14 @@ class StepRun:
         ordered = sync.ordered_params()
         sync.follow_edits(ordered)
         with_grad = self._collect_grads(ordered)
-        if self.lazy_states:
-            sync.pack_fresh_states(ordered)  # those a failed step left unpacked
+        creation = self.creation
+        creation.before_journal(ordered)
         self._journal = self._step_journal()
         plan: SwapPlan | None = None
         try:
-            if (sync.master_weights or not self.lazy_states) and not self.plans.states_complete():
-                # Lazy states with master weights: the masters, which the update runs on, come first.
-                sync.create_missing_states(self.params_with_grad())
+            creation.make_missing(self.plans.states_complete(), self.params_with_grad)
             plan = self.plans.current()
-            if self.lazy_states and not plan.all_states_exist:
-                sync.check_room_for_states_the_update_creates(self.params_with_grad())
+            creation.before_batches(plan, self.params_with_grad)
             # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
             self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
             skip = self._batches_without_gradients(plan, with_grad)
@@ -82,8 +79,7 @@ class StepRun:
             sync.tracked.move_to_end(
                 param for param in ordered if id(param) not in entries_before and param in sync.state
             )
-        if self.lazy_states:
-            sync.pack_fresh_states(ordered)
+        creation.after_run(ordered)
         return plan
 
     # -- gradients ----------------------------------------------------------------------
@@ -131,7 +127,8 @@ class StepRun:
 
     def _reverse_creates_states(self, plan: SwapPlan) -> bool:
         """Whether this step's update may create states (lazy states) while the batches are walked in reverse."""
-        return self.lazy_states and self.sync.config.prefetch == "backward" and not plan.all_states_exist
+        made_by_update = self.creation.made_by_update
+        return made_by_update and self.sync.config.prefetch == "backward" and not plan.all_states_exist
 
     # -- one batch ------------------------------------------------------------------------
     def update(self, batch: PlannedBatch) -> None:
@@ -148,9 +145,9 @@ class StepRun:
                     params, states = segment_params, cast("list[dict[str, Any]]", segment_states)
                     grads = cast("list[torch.Tensor]", segment_grads)
                 else:
-                    params, grads, states = _with_grad(segment_params, segment_grads, segment_states, self._fresh_state)
-                    if self.lazy_states:
-                        fresh += [param for param, state in zip(params, states, strict=True) if is_fresh(state)]
+                    missing = self.creation.missing_state
+                    params, grads, states = _with_grad(segment_params, segment_grads, segment_states, missing)
+                    fresh += self.creation.fresh(params, states)
                 if params:
                     group = sync.param_groups[group_index]
                     if self._journal is not None:
@@ -172,17 +169,6 @@ class StepRun:
             # creates its own (one batch of fresh states on the device at a time).
             sync.offload_existing_states(fresh, unpacked=True)
             sync.changed()  # the batches are bound to the entries of state that existed before
-
-    def _fresh_state(self, param: torch.Tensor) -> dict[str, Any]:
-        """For an adapter whose update creates states: the entry of ``param``, or an empty dict when it has none.
-
-        The entry is not created here: the optimizer's own step creates it if it keeps a state (plain
-        SGD keeps none, and its ``state`` stays empty as torch's does).
-        """
-        if not self.lazy_states:
-            raise AssertionError("states of parameters with a gradient exist before the pipeline")
-        entry: dict[str, Any] = self.sync.state.get(param, {})
-        return entry
 
     # -- a failed step ------------------------------------------------------------------
     def _step_journal(self) -> StepJournal | None:

@@ -297,6 +297,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             )
         sync = self._swapping.sync
         sync.follow_edits(sync.ordered_params())
+        wanted = [(index, param) for index, param in sync.ordered_params_with_groups() if param.requires_grad]
+        self._swapping.plans.creation.make_missing(False, lambda: wanted)
         return self._swapping.plans.current()
 
     def host_layout(self) -> HostLayout:
@@ -356,9 +358,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         sync = self._swapping.sync
         sync.follow_edits(sync.ordered_params())
-        sync.create_missing_states(
-            (group_index, param) for group_index, param in sync.ordered_params_with_groups() if param.requires_grad
-        )
+        wanted = [(index, param) for index, param in sync.ordered_params_with_groups() if param.requires_grad]
+        self._swapping.plans.creation.make_missing(False, lambda: wanted)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this optimizer's family, swapped states straight into host memory.

@@ -18,6 +18,7 @@ from .auto_batching import AutoBatching
 from .loading import STATES_BEFORE_WRAPPING, make_masters_of_existing_states
 from .plan_cache import PlanCache
 from .prefetching import Prefetching
+from .state_creation import state_creation
 from .state_sync import StateSync
 from .step_run import StepRun
 
@@ -46,7 +47,8 @@ class Swapping:
         scheduler = PipelineScheduler(backend, duplex=config.duplex)
         weakref.finalize(owner, drain_in_flight_copies, scheduler)
         sync = StateSync(optimizer, adapter, config, scheduler)
-        plans = PlanCache(sync, AutoBatching(config, backend) if config.swap_times == "auto" else None)
+        creation = state_creation(adapter, sync)
+        plans = PlanCache(sync, creation, AutoBatching(config, backend) if config.swap_times == "auto" else None)
         sync.start()  # existing states move to host memory (may find the host too small)
         if config.master_weights:
             make_masters_of_existing_states(sync, STATES_BEFORE_WRAPPING)

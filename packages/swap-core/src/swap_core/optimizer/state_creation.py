@@ -1,0 +1,143 @@
+"""When a step's missing states are made, chosen once at wrapping from the adapter's ``lazy_states``.
+
+:class:`StatesBeforeTheStep`: the adapter's ``initial_state`` makes every missing state before the pipeline runs
+(swapped ones born in host memory), so every batch finds its states. :class:`StatesMadeByTheUpdate`: the adapter
+runs the optimizer's own step, which makes them on the device during its batch; they go to host memory after
+that batch, and are packed after the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..adapters.base import StateInit, StateSwapAdapter
+from ..master_weights import has_master, is_fresh
+from ..runtime.dtensor import local_tensor
+from ..runtime.plan import SwapPlan
+from ..runtime.store import StateStore
+from .state_sync import StateSync
+
+__all__ = ["StateCreation", "StatesBeforeTheStep", "StatesMadeByTheUpdate", "state_creation"]
+
+ParamsWithGrad = Callable[[], list[tuple[int, torch.Tensor]]]
+"""``(group index, parameter)`` of this step's parameters with a gradient (computed on demand)."""
+
+
+class StatesBeforeTheStep:
+    """Missing states made from the adapter's ``initial_state`` before any batch runs."""
+
+    made_by_update = False
+
+    def __init__(self, sync: StateSync) -> None:
+        self.sync = sync
+
+    def before_journal(self, ordered: list[torch.Tensor]) -> None:
+        """Nothing is left unpacked by an earlier step."""
+
+    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> None:
+        """Every missing state of the parameters with a gradient (masters included), unless ``complete``."""
+        if complete:
+            return
+        sync = self.sync
+        asked = [
+            (param, sync.adapter.initial_state(sync.as_updated(param), sync.param_groups[group_index]))
+            for group_index, param in params_with_grad()
+            if not sync.state[param]
+        ]
+        # A parameter the adapter keeps no state for (distributed Muon's matrices another rank owns) has nothing
+        # to create: left out, it does not make the plan be built again at every step.
+        sync.create_states(
+            [(param, initial) for param, initial in asked if initial or (sync.master_weights and has_master(param))]
+        )
+
+    def partition_costs(self, store: StateStore, params: list[torch.Tensor]) -> list[int] | None:
+        """Every state exists when the plan is made: the swapped bytes balance the batches."""
+        return None
+
+    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> None:
+        """The states exist, in host memory already."""
+
+    def fresh(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """No batch makes a state."""
+        return []
+
+    def missing_state(self, param: torch.Tensor) -> dict[str, Any]:
+        raise AssertionError("states of parameters with a gradient exist before the pipeline")
+
+    def after_run(self, ordered: list[torch.Tensor]) -> None:
+        """Nothing to pack."""
+
+
+class StatesMadeByTheUpdate:
+    """States the optimizer's own step makes on the device, batch by batch: each batch's go to host memory before
+    the next batch makes its own, and they are packed after the step."""
+
+    made_by_update = True
+
+    def __init__(self, sync: StateSync) -> None:
+        self.sync = sync
+
+    def before_journal(self, ordered: list[torch.Tensor]) -> None:
+        """Pack those a failed step left unpacked."""
+        self.sync.pack_fresh_states(ordered)
+
+    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> None:
+        """With master weights, the masters, which the update runs on, come first; the states are the update's."""
+        sync = self.sync
+        if complete or not sync.master_weights:
+            return
+        empty: dict[str, torch.Tensor | StateInit] = {}
+        sync.create_states(
+            [(param, empty) for _, param in params_with_grad() if has_master(param) and not sync.state[param]]
+        )
+
+    def partition_costs(self, store: StateStore, params: list[torch.Tensor]) -> list[int] | None:
+        """Batching costs while some states are still to be made by the update, or ``None`` once none is.
+
+        A state not made yet has no size: the parameter's own bytes stand in for it, so that the first step
+        spreads the fresh states over ``swap_times`` batches as later steps spread them.
+        """
+        state = self.sync.state
+        if all(state.get(param) for param in params):
+            return None
+        costs = []
+        for param in params:
+            slots = store.slots.get(param)
+            if slots:
+                costs.append(sum(slot.nbytes for slot in slots.values()))
+            elif state.get(param):
+                costs.append(0)  # a state without swapped tensors
+            else:
+                local = local_tensor(param)
+                costs.append(local.numel() * local.element_size())
+        return costs
+
+    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> None:
+        """Refuse, before any batch updates anything, states the host could not take."""
+        if not plan.all_states_exist:
+            self.sync.check_room_for_states_the_update_creates(params_with_grad())
+
+    def fresh(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """The parameters of a batch segment whose states its update is about to make."""
+        return [param for param, state in zip(params, states, strict=True) if is_fresh(state)]
+
+    def missing_state(self, param: torch.Tensor) -> dict[str, Any]:
+        """The entry of ``param``, or an empty dict: the optimizer's own step creates the entry if it keeps a state
+        (plain SGD keeps none, and its ``state`` stays empty as torch's does)."""
+        entry: dict[str, Any] = self.sync.state.get(param, {})
+        return entry
+
+    def after_run(self, ordered: list[torch.Tensor]) -> None:
+        """Pack the host buffers the batches' fresh states were given."""
+        self.sync.pack_fresh_states(ordered)
+
+
+StateCreation = StatesBeforeTheStep | StatesMadeByTheUpdate
+
+
+def state_creation(adapter: StateSwapAdapter, sync: StateSync) -> StateCreation:
+    """The way ``adapter``'s optimizer gets its states, chosen once."""
+    return StatesMadeByTheUpdate(sync) if adapter.lazy_states else StatesBeforeTheStep(sync)
