@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["HelpFormatter", "byte_size", "count", "output_file", "positive_count"]
+__all__ = ["HelpFormatter", "byte_size", "command_parser", "count", "output_file", "positive_count"]
 
 
 def positive_count(text: str) -> int:
@@ -90,3 +90,8 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser of one swap-bench command, its help laid out by :class:`HelpFormatter`."""
+    return argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, description=description)

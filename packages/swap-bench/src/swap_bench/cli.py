@@ -17,7 +17,7 @@ from swap_core.config import BACKEND_NAMES
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import HelpFormatter, count, output_file, positive_count
+from .arguments import command_parser, count, output_file, positive_count
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
@@ -200,10 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _measure_parser() -> argparse.ArgumentParser:
     """The options of ``swap-bench`` (measure)."""
-    parser = argparse.ArgumentParser(
-        prog="swap-bench",
-        formatter_class=HelpFormatter,
-        description=COMMANDS
+    parser = command_parser(
+        "swap-bench",
+        COMMANDS
         + "\n\nswap-bench (measure): each workload's step with the optimizer plain and swapped, alternately in one\n"
         "run, their ratio, the raw pinned-copy bandwidth, and the same rows modeled on a link (virtual clock).",
     )

@@ -36,7 +36,7 @@ from rich.table import Table
 from swap_core import UpdateBatch
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 
-from .arguments import HelpFormatter, output_file, positive_count
+from .arguments import command_parser, output_file, positive_count
 from .report import SCHEMA, machine_facts, save_json
 from .workloads import OPTIMIZERS, OptimizerSpec
 
@@ -263,10 +263,9 @@ def narrowing_main(argv: Sequence[str] | None = None) -> int:
 
 def _narrowing_parser() -> argparse.ArgumentParser:
     """The options of ``swap-bench narrowing``."""
-    parser = argparse.ArgumentParser(
-        prog="swap-bench narrowing",
-        formatter_class=HelpFormatter,
-        description="The host time swap-generic adds per batch when it runs an optimizer's own step over one batch's\n"
+    parser = command_parser(
+        "swap-bench narrowing",
+        "The host time swap-generic adds per batch when it runs an optimizer's own step over one batch's\n"
         "share of its param groups (narrowed), against the plain step over all parameters, on the CPU.",
     )
     parser.add_argument(

@@ -32,7 +32,7 @@ from rich.progress import Progress
 from swap_core.errors import AdapterNotFoundError, DeviceMemoryError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import HelpFormatter, byte_size, count, output_file, positive_count
+from .arguments import byte_size, command_parser, count, output_file, positive_count
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
 from .report import SCHEMA, machine_facts, render_modeled_table, save_json
@@ -189,10 +189,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 def _plan_parser() -> argparse.ArgumentParser:
     """The options of ``swap-bench plan``."""
-    parser = argparse.ArgumentParser(
-        prog="swap-bench plan",
-        formatter_class=HelpFormatter,
-        description="Model one rank's swapped step for a real model size on a link, over meta tensors (nothing is\n"
+    parser = command_parser(
+        "swap-bench plan",
+        "Model one rank's swapped step for a real model size on a link, over meta tensors (nothing is\n"
         "allocated): device and host bytes and copies exact, seconds on the simulator's virtual clock.\n\n"
         "Columns: plain state GB, the unswapped optimizer's device bytes; device peak GB, the swapped step's;\n"
         "T_c, the plain update on the modeled device; step s, how far a cold step extends the compute stream;\n"
