@@ -36,12 +36,12 @@ from swap_core import swap_optimizer
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.habits import check_deepcopy_and_pickle, check_state_edits_in_place
+from swap_core.testing.optim_db import optim_db_configs, plain_refusal
 from swap_core.testing.pairs import (
     ConformanceCase,
     Pair,
     make_groups,
     make_pair,
-    make_params,
     set_grads,
     swap_config,
     through_torch_save,
@@ -72,22 +72,8 @@ SCHEDULE: tuple[Mode, int] = ("random", 3)
 
 def _configurations() -> Iterator[Any]:
     """One conformance case per optim_db input and implementation torch offers on the CPU."""
-    for info in common_optimizers.optim_db:
-        name = info.optim_cls.__name__
-        if name in REFUSED:
-            continue
-        impls: list[dict[str, Any]] = [{}]
-        if "foreach" in info.supported_impls:
-            impls.append({"foreach": True})
-        if "fused" in info.supported_impls and "cpu" in info.supports_fused_on:
-            impls.append({"fused": True})
-        for optim_input in info.optim_inputs_func(device="cpu"):
-            for impl in impls:
-                kwargs = {**optim_input.kwargs, **impl}
-                label = "-".join(f"{key}={value}" for key, value in impl.items()) or "default_impl"
-                yield pytest.param(
-                    _case(info.optim_cls, kwargs), id=f"{name}-{optim_input.desc}-{label}".replace(" ", "_")
-                )
+    for config in optim_db_configs(skip=REFUSED):
+        yield pytest.param(_case(config.optimizer_cls, config.kwargs), id=config.id)
 
 
 def _case(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> ConformanceCase:
@@ -105,13 +91,9 @@ CASES = list(_configurations())
 
 def _skip_what_torch_refuses(case: ConformanceCase) -> None:
     """Skip a configuration that the plain optimizer itself refuses on the CPU (a CUDA-only option)."""
-    params = make_params(case, torch.device("cpu"))
-    try:
-        optimizer = case.make_optimizer(make_groups(case, params))
-        set_grads(case, params, 0)
-        optimizer.step()
-    except (RuntimeError, ValueError, TypeError) as error:
-        pytest.skip(f"plain torch refuses this configuration on the CPU: {error}")
+    refused = plain_refusal(case)
+    if refused is not None:
+        pytest.skip(f"plain torch refuses this configuration on the CPU: {refused}")
 
 
 @pytest.fixture

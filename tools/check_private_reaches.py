@@ -1,11 +1,14 @@
-"""No package, test or example reaches into another package's private names.
+"""No package, test or example reaches into another package's private names; no package source outside its
+``torch_compat`` fence names a private torch API.
 
 A sibling package, a test suite, the integration tests, the examples and these tools may use only the public names
 of ``swap_core`` and the family packages: an underscore name (a module-level ``_helper``, a method ``_update``, an
 attribute ``self._store``) defined in one package's sources and used anywhere outside them is a reach past its
 seam, and this check fails naming each one. A file may use an underscore name it defines itself (a test's own
-subclass), and ``super()._name(...)`` calls the parent of a class the file defines. Run by ``nox -s lint``; reads
-the sources with :mod:`ast` only::
+subclass), and ``super()._name(...)`` calls the parent of a class the file defines. A package's own sources name
+torch's private APIs (``torch._C``, ``torch.optim._muon``, ``tensor._version`` through ``torch.x._y``) only in
+their ``*compat.py`` modules, each with a test against the torch it was checked on (aten's operator names, such as
+``torch.ops.aten._unsafe_view``, are public). Run by ``nox -s lint``; reads the sources with :mod:`ast` only::
 
     python tools/check_private_reaches.py
 """
@@ -91,6 +94,43 @@ def reaches(path: Path, private: dict[str, set[str]]) -> Iterator[str]:
             yield f"{where}:{node.lineno}: .{node.attr}"
 
 
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``torch.a.b`` as ``["torch", "a", "b"]``; ``None`` for anything but names and attributes."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def _torch_private(parts: list[str]) -> bool:
+    """Whether a dotted path into torch names a private part (aten's operators excepted)."""
+    if parts[:1] != ["torch"] or parts[:3] == ["torch", "ops", "aten"]:
+        return False
+    return any(_private(part) for part in parts[1:])
+
+
+def torch_reaches(path: Path) -> Iterator[str]:
+    """``path:line: name`` of each private torch API a package source outside a compat module names."""
+    where = path.relative_to(ROOT)
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            parts = node.module.split(".")
+            names = [*parts, *(alias.name for alias in node.names)]
+            if parts[0] == "torch" and any(_private(part) for part in names[1:]):
+                yield f"{where}:{node.lineno}: {node.module} ({', '.join(alias.name for alias in node.names)})"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _torch_private(alias.name.split(".")):
+                    yield f"{where}:{node.lineno}: import {alias.name}"
+        elif isinstance(node, ast.Attribute):
+            parts = _dotted(node)
+            if parts is not None and _torch_private(parts):
+                yield f"{where}:{node.lineno}: {'.'.join(parts)}"
+
+
 def main() -> int:
     private = private_names_by_package()
     found = [
@@ -100,11 +140,26 @@ def main() -> int:
         if ".nox" not in path.parts and "build" not in path.parts
         for reach in reaches(path, private)
     ]
+    found += sorted(
+        {
+            reach
+            for source in PACKAGE_SOURCES.values()
+            for path in sorted(source.rglob("*.py"))
+            if not path.name.endswith("compat.py")
+            for reach in torch_reaches(path)
+        }
+    )
     if found:
-        print("Underscore names of another package used outside it (use or add a public name instead):")
+        print(
+            "Underscore names of another package used outside it, or private torch APIs outside a compat module "
+            "(use or add a public name, or fence the torch API in the package's torch_compat):"
+        )
         print("\n".join(f"  {reach}" for reach in found))
         return 1
-    print(f"no package, test, example or tool uses another package's private names ({len(private)} packages)")
+    print(
+        f"no package, test, example or tool uses another package's private names, and no package source outside "
+        f"its compat module a private torch API ({len(private)} packages)"
+    )
     return 0
 
 

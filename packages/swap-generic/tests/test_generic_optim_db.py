@@ -13,20 +13,18 @@ test_generic_conformance.py where two plain runs agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from swap_core.testing.conformance import ConformanceCase, check_parity
-from swap_core.testing.pairs import DEFAULT_SHAPES, make_groups, make_params, set_grads
+from swap_core.testing.optim_db import optim_db_configs, plain_refusal
+from swap_core.testing.pairs import DEFAULT_SHAPES
 from swap_core.testing.pytest_plugin import BackendFactory
 from swap_generic import GenericAdapter
 
-common_optimizers = pytest.importorskip(
-    "torch.testing._internal.common_optimizers", reason="torch's OptimizerInfo database needs expecttest"
-)
+pytest.importorskip("expecttest", reason="torch's OptimizerInfo database needs expecttest")
 
 MODES = (("lazy", 0), ("sync", 0), ("random", 0), ("random", 1))
 MATRIX_SHAPES = ((48, 40), (40, 30), (33, 31), (8, 4), (64, 20))
@@ -36,24 +34,9 @@ NOT_SWEPT = {
 }
 
 
-def _configs() -> Iterator[Any]:
-    for info in common_optimizers.optim_db:
-        name = info.optim_cls.__name__
-        if name in NOT_SWEPT:
-            continue
-        impls: list[dict[str, Any]] = [{}]
-        if "foreach" in info.supported_impls:
-            impls.append({"foreach": True})
-        if "fused" in info.supported_impls and "cpu" in info.supports_fused_on:
-            impls.append({"fused": True})
-        for optim_input in info.optim_inputs_func(device="cpu"):
-            for impl in impls:
-                kwargs = {**optim_input.kwargs, **impl}
-                label = "-".join(f"{key}={value}" for key, value in impl.items()) or "default_impl"
-                yield pytest.param(info.optim_cls, kwargs, id=f"{name}-{optim_input.desc}-{label}".replace(" ", "_"))
-
-
-CONFIGS = list(_configs())
+CONFIGS = [
+    pytest.param(config.optimizer_cls, config.kwargs, id=config.id) for config in optim_db_configs(skip=NOT_SWEPT)
+]
 
 
 def _case(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> ConformanceCase:
@@ -67,21 +50,9 @@ def _case(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) ->
     )
 
 
-def _plain_runs(case: ConformanceCase) -> str | None:
-    """Why torch itself refuses this configuration on the CPU, or ``None`` if it runs."""
-    params = make_params(case, torch.device("cpu"))
-    try:
-        optimizer = case.make_optimizer(make_groups(case, params))
-        set_grads(case, params, 0)
-        optimizer.step()
-    except (RuntimeError, ValueError, TypeError) as error:
-        return f"the plain optimizer refuses it: {error}"
-    return None
-
-
 def test_the_sweep_covers_every_per_parameter_torch_optimizer() -> None:
     swept = {param.values[0].__name__ for param in CONFIGS}
-    every = {info.optim_cls.__name__ for info in common_optimizers.optim_db}
+    every = {config.optimizer_cls.__name__ for config in optim_db_configs()}
     assert swept == every - set(NOT_SWEPT), f"not swept: {sorted(every - swept - set(NOT_SWEPT))}"
     assert len(CONFIGS) >= 100, len(CONFIGS)
 
@@ -95,8 +66,8 @@ def test_optim_db_parity(
     swap_backend_factory: BackendFactory,
 ) -> None:
     case = _case(optimizer_cls, kwargs)
-    refused = _plain_runs(case)
+    refused = plain_refusal(case)
     if refused is not None:
-        pytest.skip(refused)
+        pytest.skip(f"the plain optimizer refuses it: {refused}")
     for mode, seed in MODES:
         check_parity(case, swap_backend_factory(mode=mode, seed=seed), packed=packed)

@@ -42,6 +42,7 @@ __all__ = [
     "load_state_dict_hook_registries",
     "note_step_for_lr_schedulers",
     "op_schema",
+    "optimizer_infos",
     "private_function",
     "profiler_enabled",
     "registered_process_groups",
@@ -63,6 +64,20 @@ MODULES_BINDING_THE_DEFAULT_GROUP = (
 
 Imported after ``init_process_group`` (``torch.distributed.fsdp`` imports the first one on its
 way), they hold that group for the life of the process. Checked: torch 2.13."""
+
+
+def optimizer_infos() -> list[Any]:
+    """torch's own optimizer database, ``torch.testing._internal.common_optimizers.optim_db`` (checked: torch 2.13):
+    an ``OptimizerInfo`` per optimizer class, with the inputs torch's optimizer tests step. Importing it needs
+    expecttest, a test-only package: ``ModuleNotFoundError`` without it."""
+    module = importlib.import_module("torch.testing._internal.common_optimizers")
+    infos = getattr(module, "optim_db", None)
+    if not isinstance(infos, list):
+        raise TorchCompatError(
+            "torch.testing._internal.common_optimizers.optim_db is gone (checked against torch 2.13): "
+            "swap_core.torch_compat.optimizer_infos needs updating for this torch"
+        )
+    return infos
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
