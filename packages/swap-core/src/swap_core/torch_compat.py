@@ -16,6 +16,7 @@ import functools
 import gc
 import importlib
 import os
+import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -71,25 +72,28 @@ def optimizer_infos() -> list[Any]:
     an ``OptimizerInfo`` per optimizer class, with the inputs torch's optimizer tests step. Importing it needs
     expecttest, a test-only package: ``ModuleNotFoundError`` without it."""
     module = importlib.import_module("torch.testing._internal.common_optimizers")
-    infos = getattr(module, "optim_db", None)
-    if not isinstance(infos, list):
-        raise TorchCompatError(
-            "torch.testing._internal.common_optimizers.optim_db is gone (checked against torch 2.13): "
-            "swap_core.torch_compat.optimizer_infos needs updating for this torch"
-        )
+    infos: list[Any] = _checked(module, "optim_db", list, user="optimizer_infos")
     return infos
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
     """How often ``tensor`` was written in place: autograd's version counter ``tensor._version``
     (checked: torch 2.13)."""
-    version = getattr(tensor, "_version", None)
-    if not isinstance(version, int):
-        raise TorchCompatError(
-            "torch.Tensor._version is gone (checked against torch 2.13): "
-            "swap_core.torch_compat.tensor_version needs updating for this torch"
-        )
+    version: int = _checked(tensor, "_version", int, user="tensor_version")
     return version
+
+
+def _checked(owner: object, name: str, kind: type, *, user: str) -> Any:
+    """``owner.name``, which must be a ``kind``; else a :class:`TorchCompatError` saying that ``user`` (a function of
+    this module) needs updating for this torch."""
+    value = getattr(owner, name, None)
+    if not isinstance(value, kind):
+        where = owner.__name__ if isinstance(owner, types.ModuleType) else f"torch.{type(owner).__name__}"
+        raise TorchCompatError(
+            f"{where}.{name} is gone (checked against torch 2.13): swap_core.torch_compat.{user} needs updating for "
+            "this torch"
+        )
+    return value
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:
