@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .adapters.base import UpdateBatch
+from .adapters.base import StateSwapAdapter, UpdateBatch
 from .errors import SwapStateError
 from .runtime.group_values import GroupValues
 from .runtime.narrowed_groups import NarrowedGroups
@@ -49,6 +49,7 @@ __all__ = [
     "outside_step_on_masters",
     "params_as_masters",
     "stand_in",
+    "update_on_masters",
     "without_master",
 ]
 
@@ -195,6 +196,23 @@ def on_masters(
         pairs.append((param, master))
         copies.append((state, copied))
     return OnMasters(update_params, update_grads, update_states, list(params), pairs, copies)
+
+
+def update_on_masters(adapter: StateSwapAdapter) -> Callable[[UpdateBatch], None]:
+    """``adapter``'s update run on the fp32 masters of each batch's bf16/fp16 parameters, which then follow their
+    masters (see :func:`on_masters`); the adapter's ``update`` is looked up at each call."""
+
+    def update(batch: UpdateBatch) -> None:
+        masters = on_masters(batch.params, batch.grads, batch.states)
+        try:
+            adapter.update(
+                UpdateBatch(batch.group, masters.params, masters.grads, masters.states, batch.batch_index, batch.params)
+            )
+        finally:
+            masters.write_back()
+        masters.set_params()
+
+    return update
 
 
 @contextlib.contextmanager

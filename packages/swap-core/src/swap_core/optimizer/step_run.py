@@ -11,7 +11,7 @@ import torch
 
 from ..adapters.base import UpdateBatch
 from ..errors import SwapStateError
-from ..master_weights import is_fresh, on_masters
+from ..master_weights import is_fresh
 from ..runtime.dtensor import local_tensor
 from ..runtime.plan import PlannedBatch, SwapPlan
 from ..runtime.slots import SwapSlot
@@ -31,10 +31,12 @@ class StepRun:
     """Made per ``step()`` (per attempt, with ``swap_times="auto"``'s retry): reads the gradients, makes missing
     states, plans, runs the pipeline with :meth:`update` for each batch, and undoes what it can when it fails."""
 
-    def __init__(self, sync: StateSync, plans: PlanCache) -> None:
+    def __init__(self, sync: StateSync, plans: PlanCache, update: Callable[[UpdateBatch], None]) -> None:
+        """``update``: the adapter's update of one batch segment (on the fp32 masters, with master weights)."""
         self.sync = sync
         self.plans = plans
         self.adapter = sync.adapter
+        self._update_batch = update
         self.creation = plans.creation
         self.grads: list[torch.Tensor | None] = []
         """Every parameter's gradient, in parameter order, for the batches to slice."""
@@ -133,7 +135,7 @@ class StepRun:
     # -- one batch ------------------------------------------------------------------------
     def update(self, batch: PlannedBatch) -> None:
         """Update ``batch`` on the device: its states' device copies stand in ``state`` meanwhile."""
-        sync, adapter = self.sync, self.adapter
+        sync = self.sync
         fresh: list[torch.Tensor] = []
         with _device_states_in_place(batch):
             for group_index, segment_params, segment_states, where in batch.segments:
@@ -152,17 +154,7 @@ class StepRun:
                     group = sync.param_groups[group_index]
                     if self._journal is not None:
                         self._journal.record(params, states)
-                    if sync.master_weights:  # the update runs on the fp32 masters, the params follow them
-                        masters = on_masters(params, grads, states)
-                        try:
-                            adapter.update(
-                                UpdateBatch(group, masters.params, masters.grads, masters.states, batch.index, params)
-                            )
-                        finally:
-                            masters.write_back()
-                        masters.set_params()
-                    else:
-                        adapter.update(UpdateBatch(group, params, grads, states, batch.index))
+                    self._update_batch(UpdateBatch(group, params, grads, states, batch.index))
         self.batches_updated += 1
         if fresh:
             # States the update just created on the device go to host memory now, before the next batch

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 import torch
 
-from ..adapters.base import StateSwapAdapter
+from ..adapters.base import StateSwapAdapter, UpdateBatch
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
+from ..master_weights import update_on_masters
 from ..runtime.pipeline import PipelineScheduler, drain_in_flight_copies
 from ..runtime.plan import SwapPlan
 from ..stats import SwapStats
@@ -32,6 +34,8 @@ class Swapping:
     sync: StateSync
     plans: PlanCache
     prefetching: Prefetching
+    update: Callable[[UpdateBatch], None]
+    """The update of one batch segment: the adapter's, or the adapter's on fp32 masters (chosen once)."""
 
     @classmethod
     def start(
@@ -52,7 +56,8 @@ class Swapping:
         sync.start()  # existing states move to host memory (may find the host too small)
         if config.master_weights:
             make_masters_of_existing_states(sync, STATES_BEFORE_WRAPPING)
-        return cls(sync, plans, Prefetching(owner, sync, plans, from_backward=config.prefetch == "backward"))
+        prefetching = Prefetching(owner, sync, plans, from_backward=config.prefetch == "backward")
+        return cls(sync, plans, prefetching, update_on_masters(adapter) if config.master_weights else _update(adapter))
 
     @property
     def scheduler(self) -> PipelineScheduler:
@@ -71,7 +76,7 @@ class Swapping:
         """A :class:`StepRun`; with ``swap_times="auto"`` and ``retry``, a second one with twice the batches after an
         out-of-memory that left everything as it was (one that fails again raises ``DeviceMemoryError``)."""
         plans, stats, timeline = self.plans, SwapStats(), StepTrace() if trace else None
-        run = StepRun(self.sync, plans)
+        run = StepRun(self.sync, plans, self.update)
         try:
             return stats, timeline, run.run(stats, timeline)
         except torch.OutOfMemoryError as error:
@@ -94,3 +99,12 @@ class Swapping:
         stats.host_pinned_bytes = self.sync.store.host_pinned_bytes
         stats.peak_state_device_bytes = plan.peak_staging_bytes + resident
         stats.available_device_bytes = self.plans.auto.available if self.plans.auto is not None else None
+
+
+def _update(adapter: StateSwapAdapter) -> Callable[[UpdateBatch], None]:
+    """``adapter.update``, looked up at each call (a test may replace it on the instance)."""
+
+    def update(batch: UpdateBatch) -> None:
+        adapter.update(batch)
+
+    return update
