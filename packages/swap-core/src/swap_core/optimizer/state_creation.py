@@ -29,8 +29,6 @@ ParamsWithGrad = Callable[[], list[tuple[int, torch.Tensor]]]
 class StatesBeforeTheStep:
     """Missing states made from the adapter's ``initial_state`` before any batch runs."""
 
-    made_by_update = False
-
     def __init__(self, sync: StateSync) -> None:
         self.sync = sync
 
@@ -57,8 +55,9 @@ class StatesBeforeTheStep:
         """Every state exists when the plan is made: the swapped bytes balance the batches."""
         return None
 
-    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> None:
-        """The states exist, in host memory already."""
+    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> set[int] | None:
+        """The states exist, in host memory already: nothing for :meth:`after_run` to put in order."""
+        return None
 
     def fresh(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
         """No batch makes a state."""
@@ -67,15 +66,13 @@ class StatesBeforeTheStep:
     def missing_state(self, param: torch.Tensor) -> dict[str, Any]:
         raise AssertionError("states of parameters with a gradient exist before the pipeline")
 
-    def after_run(self, ordered: list[torch.Tensor]) -> None:
-        """Nothing to pack."""
+    def after_run(self, ordered: list[torch.Tensor], entries_before: set[int] | None) -> None:
+        """Nothing to pack or to put in order."""
 
 
 class StatesMadeByTheUpdate:
     """States the optimizer's own step makes on the device, batch by batch: each batch's go to host memory before
     the next batch makes its own, and they are packed after the step."""
-
-    made_by_update = True
 
     def __init__(self, sync: StateSync) -> None:
         self.sync = sync
@@ -115,10 +112,15 @@ class StatesMadeByTheUpdate:
                 costs.append(local.numel() * local.element_size())
         return costs
 
-    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> None:
-        """Refuse, before any batch updates anything, states the host could not take."""
-        if not plan.all_states_exist:
-            self.sync.check_room_for_states_the_update_creates(params_with_grad())
+    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> set[int] | None:
+        """Refuse, before any batch updates anything, states the host could not take; the ids of the entries of
+        ``state`` when batches walked in reverse (``prefetch="backward"``) may create states out of parameter
+        order, for :meth:`after_run` to put them back in torch's order."""
+        if plan.all_states_exist:
+            return None
+        sync = self.sync
+        sync.check_room_for_states_the_update_creates(params_with_grad())
+        return set(map(id, sync.state)) if sync.config.prefetch == "backward" else None
 
     def fresh(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
         """The parameters of a batch segment whose states its update is about to make."""
@@ -130,9 +132,15 @@ class StatesMadeByTheUpdate:
         entry: dict[str, Any] = self.sync.state.get(param, {})
         return entry
 
-    def after_run(self, ordered: list[torch.Tensor]) -> None:
-        """Pack the host buffers the batches' fresh states were given."""
-        self.sync.pack_fresh_states(ordered)
+    def after_run(self, ordered: list[torch.Tensor], entries_before: set[int] | None) -> None:
+        """Put the entries the batches made in parameter order (where they were walked in reverse), and pack the
+        host buffers their swapped states were given."""
+        sync = self.sync
+        if entries_before is not None:
+            sync.tracked.move_to_end(
+                param for param in ordered if id(param) not in entries_before and param in sync.state
+            )
+        sync.pack_fresh_states(ordered)
 
 
 StateCreation = StatesBeforeTheStep | StatesMadeByTheUpdate

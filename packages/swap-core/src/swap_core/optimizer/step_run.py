@@ -63,12 +63,10 @@ class StepRun:
         try:
             creation.make_missing(self.plans.states_complete(), self.params_with_grad)
             plan = self.plans.current()
-            creation.before_batches(plan, self.params_with_grad)
+            entries_before = creation.before_batches(plan, self.params_with_grad)
             # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
             self._every_param_ready = plan.all_states_exist and with_grad == plan.param_count
             skip = self._batches_without_gradients(plan, with_grad)
-            # Batches walked in reverse create lazy states out of parameter order: put back in torch's order.
-            entries_before = set(map(id, sync.state)) if self._reverse_creates_states(plan) else None
             with adapter.step_scope():
                 if plan.batches:  # an optimizer without parameters steps nothing, as torch's does
                     sync.scheduler.run(
@@ -77,11 +75,7 @@ class StepRun:
         except BaseException as error:
             self._after_failure(error, 0 if plan is None else len(plan.batches) + (plan.resident is not None))
             raise
-        if entries_before is not None:
-            sync.tracked.move_to_end(
-                param for param in ordered if id(param) not in entries_before and param in sync.state
-            )
-        creation.after_run(ordered)
+        creation.after_run(ordered, entries_before)
         return plan
 
     # -- gradients ----------------------------------------------------------------------
@@ -126,11 +120,6 @@ class StepRun:
                 for grad in (grads[where] if isinstance(where, slice) else [grads[i] for i in where])
             )
         )
-
-    def _reverse_creates_states(self, plan: SwapPlan) -> bool:
-        """Whether this step's update may create states (lazy states) while the batches are walked in reverse."""
-        made_by_update = self.creation.made_by_update
-        return made_by_update and self.sync.config.prefetch == "backward" and not plan.all_states_exist
 
     # -- one batch ------------------------------------------------------------------------
     def update(self, batch: PlannedBatch) -> None:
