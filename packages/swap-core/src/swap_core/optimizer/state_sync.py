@@ -57,8 +57,6 @@ class StateSync:
         self.master_weights = config.master_weights
         self.generation = 0
         """Moves whenever the store, its slots, the parameters or the entries bound to a plan change."""
-        self.params_version = 0
-        """Moves whenever the parameters or their grouping change (a subset of :attr:`generation`)."""
         self._store: StateStore | None = None
         self._tracked = TrackedState()
         self._seen_state_version = -1
@@ -146,7 +144,6 @@ class StateSync:
         if self.master_weights:
             check_master_weights_supported(self.optimizer, self.adapter, ordered)
         self.adapter.params_changed(ordered)  # may refuse: nothing has changed yet
-        self.params_version += 1
         self.changed()
         self._adopt_params()
 
