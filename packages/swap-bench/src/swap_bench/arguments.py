@@ -93,5 +93,8 @@ def _int(text: str) -> int:
 
 
 def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The parser of one swap-bench command, its help laid out by :class:`HelpFormatter`."""
-    return argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, description=description)
+    """The parser of one swap-bench command, its help laid out by :class:`HelpFormatter`. Options are taken whole
+    (``--swap-time`` is not ``--swap-times``): a command line in a script or the docs means what it says."""
+    return argparse.ArgumentParser(
+        prog=prog, formatter_class=HelpFormatter, description=description, allow_abbrev=False
+    )

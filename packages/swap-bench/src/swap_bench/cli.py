@@ -23,12 +23,12 @@ from .host_allocator import keep_freed_host_memory
 from .link import measure_link
 from .measure import RowConfig, measure_comparison, measure_row
 from .modeled import StepModel, model_step
-from .narrowing import narrowing_main
-from .planner import plan_main
+from .narrowing import narrowing_main, narrowing_parser
+from .planner import plan_main, plan_parser
 from .report import BenchReport, render_table
 from .workloads import OPTIMIZERS, QUICK_WORKLOADS, WORKLOADS, Workload
 
-__all__ = ["main", "plan_rows", "run_bench"]
+__all__ = ["main", "parse_command", "plan_rows", "run_bench"]
 
 CPU_SKIP_REASON = (
     "Muon's Newton-Schulz runs in bfloat16, which takes seconds per step on a CPU (about 52 s for the "
@@ -145,6 +145,18 @@ COMMANDS = """commands:
   swap-bench plan [options]       model one rank of a real model (llama-70b...) on a link: bytes exact, time modeled
   swap-bench narrowing [options]  the host time of swap-generic's narrowed step per batch
 each takes --help"""
+
+
+def parse_command(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
+    """The command ``swap-bench ARGV`` runs (``"measure"``, ``"plan"`` or ``"narrowing"``) and its options, read as
+    it would read them, without running anything: a documented command line can be checked this way. A bad option
+    exits as the command would (``SystemExit`` with status 2, the usage on stderr)."""
+    arguments = list(argv)
+    if arguments[:1] == ["plan"]:
+        return "plan", plan_parser().parse_args(arguments[1:])
+    if arguments[:1] == ["narrowing"]:
+        return "narrowing", narrowing_parser().parse_args(arguments[1:])
+    return "measure", _measure_parser().parse_args(arguments)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,14 @@ from .arguments import command_parser, output_file, positive_count
 from .report import SCHEMA, machine_facts, save_json
 from .workloads import OPTIMIZERS, OptimizerSpec
 
-__all__ = ["NARROWING_OPTIMIZERS", "NarrowingConfig", "NarrowingRow", "measure_narrowing", "narrowing_main"]
+__all__ = [
+    "NARROWING_OPTIMIZERS",
+    "NarrowingConfig",
+    "NarrowingRow",
+    "measure_narrowing",
+    "narrowing_main",
+    "narrowing_parser",
+]
 
 NARROWING_OPTIMIZERS = ("sgd", "adagrad", "nadam", "adamw8bit")
 """The default rows: swap-generic's optimizers of issue 12 (``adamw8bit``: bitsandbytes, when installed)."""
@@ -221,7 +228,7 @@ def _agree(
 
 def narrowing_main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench narrowing`` command: measure, print the table, write the JSON report."""
-    parser = _narrowing_parser()
+    parser = narrowing_parser()
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = NarrowingConfig(
@@ -261,8 +268,8 @@ def narrowing_main(argv: Sequence[str] | None = None) -> int:
     return 0 if all(row.bitwise_equal for row in rows) else 1
 
 
-def _narrowing_parser() -> argparse.ArgumentParser:
-    """The options of ``swap-bench narrowing``."""
+def narrowing_parser() -> argparse.ArgumentParser:
+    """The parser of ``swap-bench narrowing``."""
     parser = command_parser(
         "swap-bench narrowing",
         "The host time swap-generic adds per batch when it runs an optimizer's own step over one batch's\n"

@@ -38,7 +38,15 @@ from .models import MODELS, ModelShape, fsdp_shard_shape
 from .report import SCHEMA, machine_facts, render_modeled_table, save_json
 from .workloads import OPTIMIZERS
 
-__all__ = ["PLAN_OPTIMIZERS", "markdown_table", "plan_combinations", "plan_main", "plan_model", "recommend"]
+__all__ = [
+    "PLAN_OPTIMIZERS",
+    "markdown_table",
+    "plan_combinations",
+    "plan_main",
+    "plan_model",
+    "plan_parser",
+    "recommend",
+]
 
 PLAN_OPTIMIZERS = ("adamw", "rmsprop", "sgd", "adagrad", "nadam", "muon")
 """Optimizers the planner models (``muon``: its 2-D parameters, distributed Muon from ``world`` 2 on, which
@@ -159,7 +167,7 @@ def plan_combinations(
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench plan`` command: model the rows, print the table, write the JSON report."""
-    parser = _plan_parser()
+    parser = plan_parser()
     args = parser.parse_args(argv)
     models = [_model(name, parser) for name in args.model]
     for world in args.world:
@@ -187,8 +195,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _plan_parser() -> argparse.ArgumentParser:
-    """The options of ``swap-bench plan``."""
+def plan_parser() -> argparse.ArgumentParser:
+    """The parser of ``swap-bench plan``."""
     parser = command_parser(
         "swap-bench plan",
         "Model one rank's swapped step for a real model size on a link, over meta tensors (nothing is\n"
