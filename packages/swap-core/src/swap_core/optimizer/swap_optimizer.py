@@ -137,15 +137,15 @@ class SwapOptimizer(torch.optim.Optimizer):
                 f"{name!r} is not a method run outside step() for {type(self.optimizer).__name__}; "
                 f"{type(self.adapter).__name__} names {self.adapter.outside_step_methods or 'none'}"
             )
-        method = functools.partial(getattr(type(self.optimizer), name), self.optimizer, *args, **kwargs)
+        call = functools.partial(getattr(type(self.optimizer), name), self.optimizer, *args, **kwargs)
         if self._swapping is None:
-            return method()
+            return call()
         self.synchronize()
         self._swapping.scheduler.discard_prefetch()
         if not self.config.master_weights:
-            return method()
+            return call()
         assert self.backend is not None
-        return outside_step_on_masters(self.optimizer, self.backend, method, method=name)
+        return outside_step_on_masters(self.optimizer, self.backend, call, method=name)
 
     def _share_hooks(self) -> None:
         # Hooks registered on the plain optimizer (before wrapping, too) run once per step.
