@@ -112,10 +112,20 @@ def _torch_private(parts: list[str]) -> bool:
     return any(_private(part) for part in parts[1:])
 
 
-def torch_reaches(path: Path) -> Iterator[str]:
-    """``path:line: name`` of each private torch API a package source outside a compat module names."""
+_BY_NAME = frozenset({"getattr", "hasattr", "setattr", "delattr"})
+
+
+def torch_reaches(path: Path, swaps_own: set[str]) -> Iterator[str]:
+    """``path:line: name`` of each private torch API a package source outside a compat module names: through
+    ``torch.x._y``, an import, or by name (``getattr(optimizer, "_step_supports_amp_scaling")``; underscore names
+    of swap's own, ``swaps_own``, excepted)."""
     where = path.relative_to(ROOT)
     for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _BY_NAME:
+            name = node.args[1] if len(node.args) > 1 else None
+            named = name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else ""
+            if _private(named) and named not in swaps_own:
+                yield f"{where}:{node.lineno}: {node.func.id}(..., {named!r})"
         if isinstance(node, ast.ImportFrom) and node.module is not None:
             parts = node.module.split(".")
             names = [*parts, *(alias.name for alias in node.names)]
@@ -140,13 +150,22 @@ def main() -> int:
         if ".nox" not in path.parts and "build" not in path.parts
         for reach in reaches(path, private)
     ]
+    # Swap's own underscore names, not those its compat modules set on torch's objects.
+    swaps_own = set().union(
+        *(
+            defined_names(_parse(path))
+            for source in PACKAGE_SOURCES.values()
+            for path in source.rglob("*.py")
+            if not path.name.endswith("compat.py")
+        )
+    )
     found += sorted(
         {
             reach
             for source in PACKAGE_SOURCES.values()
             for path in sorted(source.rglob("*.py"))
             if not path.name.endswith("compat.py")
-            for reach in torch_reaches(path)
+            for reach in torch_reaches(path, swaps_own)
         }
     )
     if found:

@@ -22,13 +22,16 @@ from swap_core.torch_compat import (
     MODULES_BINDING_THE_DEFAULT_GROUP,
     TorchCompatError,
     TorchDispatchMode,
+    hook_registries,
     hook_registries_set_aside,
     import_modules_binding_the_default_group,
+    is_lr_scheduler_step_wrapper,
     op_schema,
     private_function,
     profiler_enabled,
     registered_process_groups,
     release_device_mesh_groups,
+    share_amp_scaling_support,
     share_hook_registries,
     step_hooks_silenced,
     storage_id,
@@ -227,3 +230,30 @@ def test_tensor_version_counts_in_place_writes() -> None:
     before = tensor_version(tensor)
     tensor.add_(1)
     assert tensor_version(tensor) == before + 1
+
+
+def test_hook_registries_are_the_instances_live_dicts() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    handle = optimizer.register_step_pre_hook(lambda *_: None)
+    registries = hook_registries(optimizer)
+    assert set(registries) == set(HOOK_REGISTRIES), "torch 2.13 makes every registry in Optimizer.__init__"
+    assert handle.id in registries["_optimizer_step_pre_hooks"]
+    handle.remove()
+    assert not registries["_optimizer_step_pre_hooks"], "the live dict, not a copy"
+
+
+def test_amp_scaling_support_is_what_grad_scaler_reads() -> None:
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1, fused=True)
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    for wrapped, expected in ((fused, True), (plain, False)):
+        wrapper = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        share_amp_scaling_support(wrapper, wrapped)
+        assert getattr(wrapper, "_step_supports_amp_scaling", None) is expected
+
+
+def test_an_lr_schedulers_step_wrapper_is_recognised() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert not is_lr_scheduler_step_wrapper(vars(optimizer).get("step"))
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    assert is_lr_scheduler_step_wrapper(vars(optimizer).get("step")), "torch's scheduler no longer marks its wrapper"
+    assert not is_lr_scheduler_step_wrapper(torch.optim.SGD.step)

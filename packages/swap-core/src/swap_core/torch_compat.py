@@ -37,9 +37,11 @@ __all__ = [
     "TorchCompatError",
     "TorchDispatchMode",
     "clear_cuda_last_error",
+    "hook_registries",
     "hook_registries_set_aside",
     "host_empty_cache",
     "import_modules_binding_the_default_group",
+    "is_lr_scheduler_step_wrapper",
     "load_state_dict_hook_registries",
     "note_step_for_lr_schedulers",
     "op_schema",
@@ -50,6 +52,7 @@ __all__ = [
     "release_device_mesh_groups",
     "remove_hooks",
     "runtime_library_function",
+    "share_amp_scaling_support",
     "share_hook_registries",
     "step_hooks_silenced",
     "storage_id",
@@ -229,6 +232,25 @@ def share_hook_registries(wrapper: torch.optim.Optimizer, wrapped: torch.optim.O
     patch(wrapper)
 
 
+def hook_registries(optimizer: torch.optim.Optimizer) -> dict[str, dict[Any, Callable[..., Any]]]:
+    """``optimizer``'s own hook registries (of :data:`HOOK_REGISTRIES`) that exist, by name (the live dicts)."""
+    return {
+        name: optimizer.__dict__[name] for name in HOOK_REGISTRIES if isinstance(optimizer.__dict__.get(name), dict)
+    }
+
+
+def share_amp_scaling_support(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> None:
+    """``wrapper`` tells ``GradScaler`` what ``wrapped`` tells it: whether its ``step`` unscales and skips inf steps
+    itself (fused optimizers), read from ``optimizer._step_supports_amp_scaling`` (checked: torch 2.13)."""
+    wrapper._step_supports_amp_scaling = getattr(wrapped, "_step_supports_amp_scaling", False)  # type: ignore[attr-defined]
+
+
+def is_lr_scheduler_step_wrapper(method: object) -> bool:
+    """Whether ``method`` is the wrapper an LR scheduler puts on an optimizer instance's ``step`` to note that it
+    was called (marked ``_wrapped_by_lr_sched``; checked: torch 2.13)."""
+    return bool(getattr(method, "_wrapped_by_lr_sched", False))
+
+
 def load_state_dict_hook_registries(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[dict[Any, Callable[..., Any]], dict[Any, Callable[..., Any]]]:
@@ -301,7 +323,7 @@ def note_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
     ``step()`` when the flag is missing; a swapped step never calls that wrapper. Sets
     ``optimizer._opt_called`` only where such a wrapper is installed (checked: torch 2.13).
     """
-    if getattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched", False):
+    if is_lr_scheduler_step_wrapper(vars(optimizer).get("step")):
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
 

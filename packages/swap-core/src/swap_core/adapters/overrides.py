@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOptimizerError
+from ..torch_compat import is_lr_scheduler_step_wrapper
 
 __all__ = ["check_instance_step", "check_no_bypassed_overrides"]
 
@@ -46,7 +47,7 @@ def check_instance_step(optimizer: torch.optim.Optimizer) -> None:
     if patched is None:
         return
     # torch's LRScheduler wraps the bound class step to note that it was called, and nothing else.
-    if getattr(patched, "_wrapped_by_lr_sched", False) and _unwrapped(patched) is _unwrapped(type(optimizer).step):
+    if is_lr_scheduler_step_wrapper(patched) and _unwrapped(patched) is _unwrapped(type(optimizer).step):
         return
     raise UnsupportedOptimizerError(
         f"This {type(optimizer).__name__}'s step was replaced on the instance ({patched!r}); a swapped optimizer "

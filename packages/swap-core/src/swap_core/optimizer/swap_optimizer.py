@@ -29,7 +29,12 @@ from ..master_weights import outside_step_on_masters
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
 from ..stats import SwapStats
-from ..torch_compat import note_step_for_lr_schedulers, share_hook_registries, step_hooks_silenced
+from ..torch_compat import (
+    note_step_for_lr_schedulers,
+    share_amp_scaling_support,
+    share_hook_registries,
+    step_hooks_silenced,
+)
 from ..trace import StepTrace
 from .loading import load_state_dict
 from .outside_step import check_outside_step_methods, offer_outside_step_methods
@@ -102,7 +107,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
         # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them.
-        self._step_supports_amp_scaling = getattr(optimizer, "_step_supports_amp_scaling", False)
+        share_amp_scaling_support(self, optimizer)
         self._swapping: Swapping | None = None
         """The runtime, where anything is swapped (``None``: CPU parameters, the wrapped optimizer steps alone)."""
         original_state = optimizer.state

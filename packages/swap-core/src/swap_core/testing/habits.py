@@ -26,6 +26,7 @@ import torch
 from ..backends.protocol import DeviceBackend
 from ..errors import StateDictMismatchError, SwapStateError, UnsupportedOptimizerError
 from ..runtime.tracked_state import TrackedState
+from ..torch_compat import hook_registries
 from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .pairs import (
     ConformanceCase,
@@ -402,9 +403,8 @@ def _expect_error(error: type[BaseException], pattern: str, call: Callable[[], o
 def _assert_never_wrapped(optimizer: torch.optim.Optimizer, context: str) -> None:
     """A refused wrap left the plain optimizer as it was: its own state mapping, no hook of swap's."""
     assert not isinstance(optimizer.state, TrackedState), f"{context}: the state mapping was replaced"
-    for name, hooks in vars(optimizer).items():
-        if name.startswith("_optimizer_") and isinstance(hooks, dict):
-            assert not any(getattr(hook, "_swap_core_hook", False) for hook in hooks.values()), f"{context}: {name}"
+    for name, hooks in hook_registries(optimizer).items():
+        assert not any(getattr(hook, "_swap_core_hook", False) for hook in hooks.values()), f"{context}: {name}"
 
 
 def _snapshot(pair: Pair) -> dict[str, Any]:
