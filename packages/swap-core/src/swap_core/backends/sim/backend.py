@@ -21,13 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from swap_core.backends.host_memory import (
-    HOST_MEMORY_MODES,
-    HostMemoryMode,
-    available_host_bytes,
-    pinned_size,
-    warn_pinning_once,
-)
+from swap_core.backends.host_memory import HostMemoryMode, available_host_bytes
 from swap_core.backends.protocol import Event, Stream
 from swap_core.backends.tensor_layout import spans_whole_storage
 from swap_core.errors import SimOutOfMemoryError, SimPageableCopyError, SimRaceError, SimUseAfterFreeError
@@ -37,6 +31,7 @@ from .caching_allocator import CachedBlock, CachingAllocator
 from .checks import ComputeCheckMode, ComputeOpChecker
 from .copy_stats import CopyStats
 from .faults import CopyFault, is_count
+from .host_buffers import SimHostBuffers
 from .memory import (
     HOST_KINDS,
     MemoryKind,
@@ -168,6 +163,9 @@ class SimBackend:
         self._timed_mode: TimedComputeMode | None = None
         self._fault: CopyFault | None = None
         self._warned: set[str] = set()
+        self._host = SimHostBuffers(
+            self._registry, self.device, self, warned=self._warned, tick=self._tick, untracked=self._untracked
+        )
 
     def __repr__(self) -> str:
         return (
@@ -235,30 +233,11 @@ class SimBackend:
         Pageable (copies run synchronously) when pinning is simulated to fail; the caching path, with
         its power-of-two rounding, when exact registration is (``exact_pinning=False``).
         """
-        if not is_count(numel):
-            raise ValueError(f"Invalid host buffer size: {numel!r}; expected an int >= 0")
-        if mode not in HOST_MEMORY_MODES:
-            raise ValueError(f"Invalid host memory mode: {mode!r}; expected one of {HOST_MEMORY_MODES}")
-        self._tick()
-        with self._untracked():
-            tensor = torch.empty(numel, dtype=dtype, device=self.device)
-            if self.poison:
-                poison_storage(tensor)
-        if not self.pinned_memory:
-            self._warn_pageable_once()
-            self._registry.register(tensor, MemoryKind.PAGEABLE_HOST)
-            return tensor
-        if mode == "exact" and not self.exact_pinning:
-            self._warn_caching_once()
-            mode = "caching"
-        record = self._registry.register(tensor, MemoryKind.HOST)
-        self._registry.pin(record, pinned_size(numel * dtype.itemsize, mode), registered=mode == "exact")
-        return tensor
+        return self._host.empty_host(numel, dtype, mode)
 
     def pinned_bytes(self, buffer: torch.Tensor) -> int:
         """What a real device would have pinned for ``buffer`` (0 for pageable or device memory)."""
-        record = self._registry.lookup(storage_key(buffer))
-        return record.pinned_bytes if record is not None else 0
+        return self._host.pinned_bytes(buffer)
 
     def host_pinned_bytes(self) -> int:
         """Pinned host bytes of the process: every live :meth:`empty_host` buffer (rounding included), and the blocks
@@ -279,15 +258,6 @@ class SimBackend:
         if self.host_bytes is None:
             return available_host_bytes()
         return self.host_bytes - self.host_pinned_bytes()
-
-    def _warn_caching_once(self) -> None:
-        warn_pinning_once(
-            self._warned,
-            "caching",
-            "Simulated: exact-size pinning (registering the buffer with the driver) failed; host buffers come "
-            "from the caching pinned allocator, which rounds each one up to a power of two",
-            stacklevel=3,
-        )
 
     def release_storage(self, tensor: torch.Tensor, *, in_use_on: Stream | None = None) -> None:
         """Free the storage on the stream it was allocated on; that stream must have waited for copies still using it.
@@ -891,16 +861,6 @@ class SimBackend:
     def _forget_history(self, key: int) -> None:
         if self._race_checker is not None:
             self._race_checker.forget(key)
-
-    def _warn_pageable_once(self) -> None:
-        warn_pinning_once(
-            self._warned,
-            "pageable",
-            "Pinned host memory is unavailable (SimBackend(pinned_memory=False) simulates a failed pin); "
-            "falling back to pageable memory: host<->device copies become synchronous and no longer overlap "
-            "with compute.",
-            stacklevel=3,
-        )
 
     def _own_stream(self, stream: Stream) -> SimStream:
         scheduler = self._scheduler
