@@ -44,12 +44,8 @@ class SimHostBuffers:
     ) -> None:
         """``warned``: the backend's set of warnings given once; ``tick`` and ``untracked``: the backend's step of
         its random schedule and its scope for the simulator's own tensor ops."""
-        self._registry = registry
-        self._device = device
-        self._settings = settings
-        self._warned = warned
-        self._tick = tick
-        self._untracked = untracked
+        self._registry, self._device, self._settings = registry, device, settings
+        self._warned, self._tick, self._untracked = warned, tick, untracked
 
     def empty_host(self, numel: int, dtype: torch.dtype, mode: HostMemoryMode) -> torch.Tensor:
         """See :meth:`SimBackend.empty_host`."""
