@@ -34,13 +34,12 @@ class AutoBatching:
         """The batches of the last plan chosen and the most it could choose; ``None`` where no retry may run."""
         self._logged: tuple[int, int | None] | None = None
 
-    def choose(self, staging_of: Callable[[int], int], most: int, *, freed_by_replan: int) -> int:
-        """The fewest batches whose staging (``staging_of(count)``) fits the device memory available now, counting
-        the ``freed_by_replan`` bytes the plan it replaces gives back."""
+    def choose(self, staging_of: Callable[[int], int], most: int) -> int:
+        """The fewest batches whose staging (``staging_of(count)``) fits the device memory available now (the plan
+        it replaces was dropped when the state changed: its staging is free already)."""
         available = self.backend.available_device_bytes()
         if available is None:
             raise ValueError(AUTO_NEEDS_MEMORY.format(backend=self.backend.name))
-        available += freed_by_replan
         self.available = available
         return fewest_batches_that_fit(
             staging_of, available, self.config.device_memory_fraction, at_least=self.floor, most=most

@@ -92,17 +92,12 @@ class PlanCache:
     ) -> int:
         """``swap_times="auto"``: the batches of the plan about to be built (every rank's count where every rank
         walks the same batches)."""
-        store, old = self.sync.store, self._plan
-        # The arenas the old plan keeps go when the new plan replaces it.
-        freed = 0
-        if self.sync.config.keep_staging and old is not None and old.arenas is not None:
-            freed = old.arenas.total_bytes
+        store = self.sync.store
         fits_nowhere: DeviceMemoryError | None = None
         try:
             count = auto.choose(
                 lambda count: staging_bytes(store, params, dataclasses.replace(partition, num_batches=count)),
                 len(params),
-                freed_by_replan=freed,
             )
         except DeviceMemoryError as error:
             if not rank_independent:

@@ -26,7 +26,15 @@ from ..runtime.pipeline import PipelineScheduler
 from ..runtime.slots import SwapSlot
 from ..runtime.store import StateSource, StateStore
 from ..runtime.tracked_state import TrackedState
-from .wrapping import as_updated, check_distinct_params, check_master_weights_supported, check_states, swap_keys
+from .wrapping import (
+    as_updated,
+    check_distinct_params,
+    check_master_weights_supported,
+    check_states,
+    ordered_params,
+    ordered_params_with_groups,
+    swap_keys,
+)
 
 __all__ = ["NO_ENTRY", "StateSync"]
 
@@ -101,10 +109,10 @@ class StateSync:
         return self._tracked
 
     def ordered_params(self) -> list[torch.Tensor]:
-        return [param for group in self.param_groups for param in group["params"]]
+        return ordered_params(self.param_groups)
 
     def ordered_params_with_groups(self) -> list[tuple[int, torch.Tensor]]:
-        return [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
+        return ordered_params_with_groups(self.param_groups)
 
     def as_updated(self, param: torch.Tensor) -> torch.Tensor:
         return as_updated(param, master_weights=self.master_weights)

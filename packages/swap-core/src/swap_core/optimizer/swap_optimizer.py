@@ -48,6 +48,7 @@ from .wrapping import (
     exported,
     group_params,
     make_adapter,
+    ordered_params,
     overrides,
     remove_swap_hooks,
     synchronized,
@@ -98,9 +99,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._adapter_factory = adapter_factory
         self.adapter: StateSwapAdapter = make_adapter(optimizer, config, adapter_factory)
         check_outside_step_methods(type(self), optimizer, self.adapter)
-        params = [param for group in optimizer.param_groups for param in group["params"]]
         self.backend: DeviceBackend | None = select_backend(
-            config.backend, params, master_weights=config.master_weights
+            config.backend, ordered_params(optimizer.param_groups), master_weights=config.master_weights
         )
         check_wrapped_state(optimizer, self.adapter, config, self.backend)
         self.stats = SwapStats()
@@ -417,14 +417,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         if new_to_old_param:
             self._rebind(new_to_old_param)
         if self._swapping is None:
-            self.adapter.params_changed([param for group in self.param_groups for param in group["params"]])
+            self.adapter.params_changed(ordered_params(self.param_groups))
             return
         sync = self._swapping.sync
         sync.forget_layout()  # re-plan even when the order looks unchanged
         sync.follow_edits(sync.ordered_params())
 
     def _rebind(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
-        current = {id(param) for group in self.param_groups for param in group["params"]}
+        current = set(map(id, ordered_params(self.param_groups)))
         old_to_new = {}
         for new, old in new_to_old_param.items():
             if id(old) not in current:

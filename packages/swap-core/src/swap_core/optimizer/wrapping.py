@@ -34,6 +34,8 @@ __all__ = [
     "exported",
     "group_params",
     "make_adapter",
+    "ordered_params",
+    "ordered_params_with_groups",
     "overrides",
     "remove_swap_hooks",
     "swap_keys",
@@ -100,7 +102,7 @@ def check_wrapped_state(
 ) -> None:
     """The refusals that need the adapter and the backend: unknown ``state_keys``, ``swap_times="auto"`` without a
     measure of device memory, master weights the family cannot keep, states the update could not use."""
-    params = [param for group in optimizer.param_groups for param in group["params"]]
+    params = ordered_params(optimizer.param_groups)
     swap_keys(optimizer, adapter, config)  # refuses unknown state_keys
     if config.swap_times == "auto" and backend is not None and backend.available_device_bytes() is None:
         raise ValueError(AUTO_NEEDS_MEMORY.format(backend=backend.name))
@@ -111,7 +113,7 @@ def check_wrapped_state(
         check_states(
             optimizer,
             adapter,
-            [(index, param) for index, group in enumerate(optimizer.param_groups) for param in group["params"]],
+            ordered_params_with_groups(optimizer.param_groups),
             UnsupportedOptimizerError,
             master_weights=config.master_weights,
             masters_to_make=True,
@@ -206,6 +208,16 @@ def group_params(param_group: Mapping[str, Any]) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
     return list(params)
+
+
+def ordered_params(groups: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+    """Every parameter of ``groups``, in group order (the order torch's state dicts number them in)."""
+    return [param for group in groups for param in group["params"]]
+
+
+def ordered_params_with_groups(groups: Sequence[Mapping[str, Any]]) -> list[tuple[int, torch.Tensor]]:
+    """``(group index, parameter)`` of every parameter of ``groups``, in group order."""
+    return [(index, param) for index, group in enumerate(groups) for param in group["params"]]
 
 
 def overrides(optimizer: torch.optim.Optimizer, method: str) -> bool:
