@@ -8,44 +8,21 @@ simulated to fail (each fallback warned once).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from typing import Protocol
-
 import torch
 
 from ..host_memory import HOST_MEMORY_MODES, HostMemoryMode, pinned_size, warn_pinning_once
 from .faults import is_count
-from .memory import MemoryKind, MemoryRegistry, poison_storage, storage_key
+from .machine import SimMachine, SimSettings
+from .memory import MemoryKind, poison_storage, storage_key
 
-__all__ = ["HostSettings", "SimHostBuffers"]
-
-
-class HostSettings(Protocol):
-    """What the simulated host is set to do (:class:`~swap_core.sim.SimBackend`'s arguments, read at each call)."""
-
-    poison: bool
-    pinned_memory: bool
-    exact_pinning: bool
+__all__ = ["SimHostBuffers"]
 
 
 class SimHostBuffers:
     """Host buffers of one :class:`~swap_core.sim.SimBackend` (which delegates its host-memory methods here)."""
 
-    def __init__(
-        self,
-        registry: MemoryRegistry,
-        device: torch.device,
-        settings: HostSettings,
-        *,
-        warned: set[str],
-        tick: Callable[[], None],
-        untracked: Callable[[], contextlib.AbstractContextManager[None]],
-    ) -> None:
-        """``warned``: the backend's set of warnings given once; ``tick`` and ``untracked``: the backend's step of
-        its random schedule and its scope for the simulator's own tensor ops."""
-        self._registry, self._device, self._settings = registry, device, settings
-        self._warned, self._tick, self._untracked = warned, tick, untracked
+    def __init__(self, machine: SimMachine, settings: SimSettings) -> None:
+        self._machine, self._settings = machine, settings
 
     def empty_host(self, numel: int, dtype: torch.dtype, mode: HostMemoryMode) -> torch.Tensor:
         """See :meth:`SimBackend.empty_host`."""
@@ -53,36 +30,37 @@ class SimHostBuffers:
             raise ValueError(f"Invalid host buffer size: {numel!r}; expected an int >= 0")
         if mode not in HOST_MEMORY_MODES:
             raise ValueError(f"Invalid host memory mode: {mode!r}; expected one of {HOST_MEMORY_MODES}")
-        self._tick()
-        with self._untracked():
-            tensor = torch.empty(numel, dtype=dtype, device=self._device)
+        machine = self._machine
+        machine.tick()
+        with machine.untracked():
+            tensor = torch.empty(numel, dtype=dtype, device=machine.device)
             if self._settings.poison:
                 poison_storage(tensor)
         if not self._settings.pinned_memory:
             warn_pinning_once(
-                self._warned,
+                machine.warned,
                 "pageable",
                 "Pinned host memory is unavailable (SimBackend(pinned_memory=False) simulates a failed pin); "
                 "falling back to pageable memory: host<->device copies become synchronous and no longer overlap "
                 "with compute.",
                 stacklevel=3,
             )
-            self._registry.register(tensor, MemoryKind.PAGEABLE_HOST)
+            machine.registry.register(tensor, MemoryKind.PAGEABLE_HOST)
             return tensor
         if mode == "exact" and not self._settings.exact_pinning:
             warn_pinning_once(
-                self._warned,
+                machine.warned,
                 "caching",
                 "Simulated: exact-size pinning (registering the buffer with the driver) failed; host buffers come "
                 "from the caching pinned allocator, which rounds each one up to a power of two",
                 stacklevel=3,
             )
             mode = "caching"
-        record = self._registry.register(tensor, MemoryKind.HOST)
-        self._registry.pin(record, pinned_size(numel * dtype.itemsize, mode), registered=mode == "exact")
+        record = machine.registry.register(tensor, MemoryKind.HOST)
+        machine.registry.pin(record, pinned_size(numel * dtype.itemsize, mode), registered=mode == "exact")
         return tensor
 
     def pinned_bytes(self, buffer: torch.Tensor) -> int:
         """See :meth:`SimBackend.pinned_bytes`."""
-        record = self._registry.lookup(storage_key(buffer))
+        record = self._machine.registry.lookup(storage_key(buffer))
         return record.pinned_bytes if record is not None else 0

@@ -106,11 +106,11 @@ class SimStream:
 
 
 class EventOwner(Protocol):
-    """The backend an event reports to, so that waiting on it can force queues and order the host."""
+    """The machine an event reports to, so that waiting on it can force queues and order the host."""
 
-    def _query_event(self, event: SimEvent) -> bool: ...
+    def query_event(self, event: SimEvent) -> bool: ...
 
-    def _synchronize_event(self, event: SimEvent) -> None: ...
+    def synchronize_event(self, event: SimEvent) -> None: ...
 
 
 class SimEvent:
@@ -141,11 +141,11 @@ class SimEvent:
 
     def query(self) -> bool:
         """Whether the work before the event has run; never runs queued work, so lazy-mode polling spins."""
-        return self.owner._query_event(self)
+        return self.owner.query_event(self)
 
     def synchronize(self) -> None:
         """Run the stream up to the event and order the host after it."""
-        self.owner._synchronize_event(self)
+        self.owner.synchronize_event(self)
 
     def __repr__(self) -> str:
         return f"SimEvent({self.stream.name!r}, position={self.position}, done={self.done})"
