@@ -10,9 +10,11 @@ import torch
 
 from .adapters.base import StateInit, StateSwapAdapter
 from .errors import StateDictMismatchError
-from .master_weights import MASTER_KEY, has_master, stand_in, without_master
+from .master_weights.loading import check_master_shape, master_from_param, unexpected_master
+from .master_weights.params import has_master, stand_in, without_master
 from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.slots import SwapSlot, layout_stride
+from .runtime.state_keys import MASTER_KEY
 from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
 
@@ -89,13 +91,13 @@ def _stage_entry(
     later, see :func:`load_swapped_state`)."""
     masters = master_weights and has_master(param)
     if MASTER_KEY in saved_state and not masters:
-        raise StateDictMismatchError(_unexpected_master(saved_id, param, master_weights))
+        raise StateDictMismatchError(unexpected_master(saved_id, param, master_weights))
     # What the update runs on: the parameter, or the fp32 master of a bf16/fp16 one.
     updated = stand_in(param) if masters else param
     # The options the loaded group will have: the checkpoint's, the live group's where it has none.
     loaded_group = {**group, **saved_group, "params": group["params"]}
     if masters and MASTER_KEY in saved_state:
-        _check_master_shape(saved_id, param, saved_state[MASTER_KEY])
+        check_master_shape(saved_id, param, saved_state[MASTER_KEY])
         loaded.low_precision_masters += saved_state[MASTER_KEY].dtype != torch.float32
     if saved_state:
         problem = adapter.state_mismatch(updated, loaded_group, without_master(saved_state))
@@ -114,7 +116,7 @@ def _stage_entry(
         )
     if masters and saved_state and MASTER_KEY not in saved_state:
         # A plain checkpoint: the master starts as the live parameter (the checkpoint's own weights, loaded).
-        entry[MASTER_KEY] = _master_from_param(store, new, param)
+        entry[MASTER_KEY] = master_from_param(store, new, param)
         loaded.masters_from_params += 1
 
 
@@ -207,37 +209,6 @@ def _cast_like_torch(param: torch.Tensor, dtype: torch.dtype, value: Any, key: s
     if param.is_floating_point():
         return value.to(dtype=dtype, device=param.device)
     return value.to(device=param.device)
-
-
-def _master_from_param(store: StateStore, new: list[tuple[SwapSlot, StateSource]], param: torch.Tensor) -> Any:
-    """A master copy of ``param`` itself: swapped (filled from the parameter, cast on the way to host memory,
-    one parameter at a time) or resident (an fp32 device copy)."""
-    template = StateInit(tuple(param.shape), torch.float32)
-    if store.should_swap(MASTER_KEY, template):
-        new.append((SwapSlot.sharded_like(param, MASTER_KEY, torch.float32), param.detach()))
-        return template
-    return store.resident_copy(param.detach().float())
-
-
-def _check_master_shape(saved_id: object, param: torch.Tensor, master: object) -> None:
-    shape = tuple(master.shape) if isinstance(master, torch.Tensor) else None
-    if shape != tuple(param.shape):
-        got = f"shape {shape}" if shape is not None else f"a {type(master).__name__}"
-        raise StateDictMismatchError(
-            f"Loaded state dict: the state of parameter {saved_id!r} has {MASTER_KEY!r} of {got}, but its parameter "
-            f"has shape {tuple(param.shape)}; nothing was loaded"
-        )
-
-
-def _unexpected_master(saved_id: object, param: torch.Tensor, master_weights: bool) -> str:
-    where = f"Loaded state dict: the state of parameter {saved_id!r} has {MASTER_KEY!r} (an fp32 master copy)"
-    if master_weights:
-        return f"{where}, but the parameter is {param.dtype}, which keeps no master; nothing was loaded"
-    return (
-        f"{where}: it was saved with master_weights=True. Load it with SwapConfig(master_weights=True), or into "
-        "the plain optimizer (torch's load keeps the key and casts every state to the parameter's dtype); "
-        "nothing was loaded"
-    )
 
 
 def _updated_group(group: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from ..adapters.base import StateSwapAdapter
-from ..master_weights import MASTER_KEY, has_master, params_as_masters
+from ..master_weights.params import has_master
+from ..master_weights.update import params_as_masters
+from ..runtime.state_keys import MASTER_KEY
 from ..state_dict_loading import load_swapped_state
 from ..torch_compat import (
     LOAD_STATE_DICT_HOOKS,

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from ..adapters.base import StateInit, StateSwapAdapter
-from ..master_weights import has_master, is_fresh
+from ..master_weights.params import has_master
 from ..runtime.dtensor import local_tensor
 from ..runtime.plan import SwapPlan
+from ..runtime.state_keys import is_fresh
 from ..runtime.store import StateStore
 from .state_sync import StateSync
 

@@ -20,10 +20,11 @@ from ..adapters.base import StateInit, StateSwapAdapter
 from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
-from ..master_weights import MASTER_KEY, has_master, is_fresh
+from ..master_weights.params import has_master
 from ..runtime.dtensor import local_tensor
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.slots import SwapSlot
+from ..runtime.state_keys import MASTER_KEY, is_fresh
 from ..runtime.store import StateSource, StateStore
 from ..runtime.tracked_state import TrackedState
 from .wrapping import (

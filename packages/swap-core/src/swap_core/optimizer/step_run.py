@@ -11,10 +11,10 @@ import torch
 
 from ..adapters.base import UpdateBatch
 from ..errors import SwapStateError
-from ..master_weights import is_fresh
 from ..runtime.dtensor import local_tensor
 from ..runtime.plan import PlannedBatch, SwapPlan
 from ..runtime.slots import SwapSlot
+from ..runtime.state_keys import is_fresh
 from ..runtime.step_journal import StepJournal, note_partial_step
 from ..stats import SwapStats
 from ..trace import StepTrace

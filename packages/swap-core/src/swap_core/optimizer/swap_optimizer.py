@@ -25,7 +25,7 @@ from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend, ModeledTimes
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
-from ..master_weights import outside_step_on_masters
+from ..master_weights.outside_step import outside_step_on_masters
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
 from ..stats import SwapStats

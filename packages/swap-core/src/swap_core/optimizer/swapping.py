@@ -11,7 +11,7 @@ import torch
 from ..adapters.base import StateSwapAdapter, UpdateBatch
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
-from ..master_weights import update_on_masters
+from ..master_weights.update import update_on_masters
 from ..runtime.pipeline import PipelineScheduler, drain_in_flight_copies
 from ..runtime.plan import SwapPlan
 from ..stats import SwapStats

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -16,8 +16,10 @@ from ..adapters.overrides import check_instance_step
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
-from ..master_weights import MASTER_KEY, has_master, master_problem, stand_in, without_master
+from ..master_weights.loading import masters_set_aside
+from ..master_weights.params import has_master, master_problem, stand_in, without_master
 from ..runtime.auto_batches import AUTO_NEEDS_MEMORY
+from ..runtime.state_keys import MASTER_KEY
 from ..torch_compat import remove_hooks
 
 __all__ = [
@@ -90,7 +92,7 @@ def make_adapter(
     """The family adapter of ``optimizer``. It reads existing states as its optimizer would have made them (a deep
     copy's, a checkpoint's loaded before wrapping): with master weights, the masters (swap's, not the
     optimizer's) are set aside meanwhile."""
-    with _masters_set_aside(optimizer) if config.master_weights else contextlib.nullcontext():
+    with masters_set_aside(optimizer) if config.master_weights else contextlib.nullcontext():
         return adapter_factory(optimizer)
 
 
@@ -301,17 +303,3 @@ def check_states(
 def as_updated(param: torch.Tensor, *, master_weights: bool) -> torch.Tensor:
     """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
     return stand_in(param) if master_weights and has_master(param) else param
-
-
-@contextlib.contextmanager
-def _masters_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """``optimizer.state`` without the fp32 masters for the duration (put back whatever happens)."""
-    masters: list[tuple[dict[str, Any], Any]] = []
-    for state in optimizer.state.values():
-        if isinstance(state, dict) and MASTER_KEY in state:
-            masters.append((state, dict.pop(state, MASTER_KEY)))
-    try:
-        yield
-    finally:
-        for state, master in masters:
-            dict.__setitem__(state, MASTER_KEY, master)

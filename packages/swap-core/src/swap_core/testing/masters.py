@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from ..backends.protocol import DeviceBackend
-from ..master_weights import MASTER_KEY, has_master
+from ..master_weights.params import has_master
 from ..optimizer import SwapOptimizer
+from ..runtime.state_keys import MASTER_KEY
 from .compare import assert_bitwise_equal
 from .pairs import ConformanceCase, make_groups, make_params, set_grads, swap_config, through_torch_save, wrap_case
 
