@@ -19,7 +19,17 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_training import adamw, assert_snapshots_equal, build_layers, full_snapshot, local_snapshot, shard, train
+from ckpt_training import (
+    FSDP,
+    HSDP,
+    adamw,
+    assert_snapshots_equal,
+    build_layers,
+    full_snapshot,
+    local_snapshot,
+    shard,
+    train,
+)
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
@@ -29,15 +39,8 @@ from swap_core.testing.distributed import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
 
-FSDP_WORLD_SIZE = 2
-HSDP_WORLD_SIZE, HSDP_REPLICAS = 4, 2
 STEPS = 3
 INPUT_RANK = 0  # the inputs of the step after a load, the same on every rank
-
-
-def _swapped(world_size: int, rank: int, *, replicas: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = shard(build_layers(), world_size, replicas=replicas)
-    return model, adamw(model, swapped=True, seed=rank)
 
 
 def _save_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, checkpoint: Path) -> None:
@@ -71,7 +74,7 @@ def _load_and_step(
 
 
 def _fsdp_saves(rank: int, world_size: int, directory: Path) -> None:
-    model, optimizer = _swapped(world_size, rank)
+    model, optimizer = FSDP.build(rank)
     _save_run(model, optimizer, rank, directory / "fsdp")
     _save_transposed(world_size, directory / "transposed")
 
@@ -88,12 +91,12 @@ def _save_transposed(world_size: int, checkpoint: Path) -> None:
 
 
 def _hsdp_loads_and_saves(rank: int, world_size: int, directory: Path) -> None:
-    context = f"rank {rank} FSDP2 x{FSDP_WORLD_SIZE} -> HSDP {HSDP_REPLICAS}x{world_size // HSDP_REPLICAS}"
-    model, optimizer = _swapped(world_size, rank, replicas=HSDP_REPLICAS)
+    context = f"rank {rank} FSDP2 x{FSDP.world_size} -> HSDP {HSDP.replicas}x{world_size // HSDP.replicas}"
+    model, optimizer = HSDP.build(rank)
     _load_and_step(model, optimizer, directory / "fsdp", (Replicate(), Shard(0)), context)
     _transposed_weight_is_refused(model, optimizer, rank, directory / "transposed")
 
-    model, optimizer = _swapped(world_size, rank, replicas=HSDP_REPLICAS)
+    model, optimizer = HSDP.build(rank)
     _save_run(model, optimizer, rank, directory / "hsdp")
 
 
@@ -111,12 +114,12 @@ def _transposed_weight_is_refused(
 
 
 def _fsdp_loads(rank: int, world_size: int, directory: Path) -> None:
-    context = f"rank {rank} HSDP {HSDP_REPLICAS}x{HSDP_WORLD_SIZE // HSDP_REPLICAS} -> FSDP2 x{world_size}"
-    model, optimizer = _swapped(world_size, rank)
+    context = f"rank {rank} HSDP {HSDP.replicas}x{HSDP.world_size // HSDP.replicas} -> FSDP2 x{world_size}"
+    model, optimizer = FSDP.build(rank)
     _load_and_step(model, optimizer, directory / "hsdp", (Shard(0),), context)
 
 
 def test_fsdp2_and_hsdp_checkpoints_load_into_each_other(tmp_path: Path) -> None:
-    run_distributed(_fsdp_saves, FSDP_WORLD_SIZE, tmp_path)
-    run_distributed(_hsdp_loads_and_saves, HSDP_WORLD_SIZE, tmp_path)
-    run_distributed(_fsdp_loads, FSDP_WORLD_SIZE, tmp_path)
+    run_distributed(_fsdp_saves, FSDP.world_size, tmp_path)
+    run_distributed(_hsdp_loads_and_saves, HSDP.world_size, tmp_path)
+    run_distributed(_fsdp_loads, FSDP.world_size, tmp_path)

@@ -2,33 +2,33 @@
 
 torch's flattening turns the optimizer state dict into one level of keys,
 ``state.<fqn>.<name>`` and ``param_groups.<fqn>.<hyperparameter>``. Two
-process worlds, as in a real restart: the first trains 3 steps with swapped
-AdamW, saves, trains 2 more and records the uninterrupted run with
-``torch.save``; it also checks interop with plain AdamW both ways and that a
-flattened and a nested checkpoint refuse each other's state. The second world,
-new processes, loads the checkpoint (with ``load_checkpoint`` and with plain
-``dcp.load``) and trains the same 2 steps: bitwise the uninterrupted run.
+process worlds, as in a real restart: the first trains swapped AdamW, saves,
+trains more and records the uninterrupted run (the
+:data:`~ckpt_training.FSDP_FLATTENED` row of
+:func:`~ckpt_training.train_save_and_record`); it also checks interop with
+plain AdamW both ways and that a flattened and a nested checkpoint refuse each
+other's state. The second world, new processes, loads the checkpoint (with
+``load_checkpoint`` and with plain ``dcp.load``) and resumes: bitwise the
+uninterrupted run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from ckpt_training import (
-    adamw,
+    FSDP_FLATTENED,
+    Loader,
     assert_snapshots_equal,
-    build_layers,
     check_interop_both_ways,
     local_snapshot,
-    shard,
-    train,
+    resume_bitwise,
+    train_save_and_record,
 )
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -37,40 +37,13 @@ from swap_core.testing.distributed import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
 
-WORLD_SIZE = 2
-FIRST, SECOND = 3, 2
-FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)
 PARAM_FQNS = ("0.weight", "0.bias", "2.weight", "2.bias")
 ADAMW_STATES = ("step", "exp_avg", "exp_avg_sq")
 
-Loader = Callable[[dict[str, Any], Path], None]
-
-
-def _reference(world_size: int, *, swapped: bool, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = shard(build_layers(), world_size)
-    return model, adamw(model, swapped=swapped, seed=rank)
-
-
-def _flattened(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"app": AppState(model, optimizer, options=FLATTENED)}
-
 
 def _first_world(rank: int, world_size: int, directory: Path) -> None:
-    model, optimizer = _reference(world_size, swapped=True, rank=rank)
-    train(model, optimizer, 0, FIRST, rank)
-    at_save = local_snapshot(model, optimizer)
-    dcp_save(_flattened(model, optimizer), checkpoint_id=directory / "swapped")
-    train(model, optimizer, FIRST, SECOND, rank)
-    torch.save({"at_save": at_save, "final": local_snapshot(model, optimizer)}, directory / f"expected_{rank}.pt")
-
-    check_interop_both_ways(
-        lambda swapped: _reference(world_size, swapped=swapped, rank=rank),
-        rank,
-        directory,
-        at_save,
-        steps=FIRST,
-        options=FLATTENED,
-    )
+    model, optimizer, at_save = train_save_and_record(FSDP_FLATTENED, rank, directory)
+    check_interop_both_ways(FSDP_FLATTENED, rank, directory, at_save)
     _flattened_and_nested_refuse_each_other(model, optimizer, rank, directory)
 
 
@@ -84,7 +57,7 @@ def _flattened_and_nested_refuse_each_other(
         load_checkpoint({"app": AppState(model, optimizer)}, directory / "swapped")
     assert_snapshots_equal(before, local_snapshot(model, optimizer), f"rank {rank} after flattened -> nested")
     with pytest.raises(CheckpointMismatchError, match=r"holds 12 entries .*: app\.optim\.param_groups\.0\.amsgrad"):
-        load_checkpoint(_flattened(model, optimizer), directory / "nested")
+        load_checkpoint(FSDP_FLATTENED.app(model, optimizer), directory / "nested")
     assert_snapshots_equal(before, local_snapshot(model, optimizer), f"rank {rank} after nested -> flattened")
 
 
@@ -93,14 +66,9 @@ def _load_with_dcp(state_dict: dict[str, Any], checkpoint: Path) -> None:
 
 
 def _resume_world(rank: int, world_size: int, directory: Path) -> None:
-    expected = torch.load(directory / f"expected_{rank}.pt", weights_only=True)
-    loaders: dict[str, Loader] = {"load_checkpoint": load_checkpoint, "dcp.load": _load_with_dcp}
-    for name, loader in loaders.items():
-        model, optimizer = _reference(world_size, swapped=True, rank=rank)
-        loader(_flattened(model, optimizer), directory / "swapped")
-        assert_snapshots_equal(expected["at_save"], local_snapshot(model, optimizer), f"rank {rank} {name}")
-        train(model, optimizer, FIRST, SECOND, rank)
-        assert_snapshots_equal(expected["final"], local_snapshot(model, optimizer), f"rank {rank} {name} resume")
+    loaders: tuple[Loader, ...] = (load_checkpoint, _load_with_dcp)
+    for loader in loaders:
+        resume_bitwise(FSDP_FLATTENED, rank, directory, loader=loader)
 
 
 def _assert_optimizer_keys_flattened(checkpoint: Path) -> None:
@@ -119,7 +87,7 @@ def _assert_optimizer_keys_flattened(checkpoint: Path) -> None:
 
 
 def test_flattened_optimizer_state_checkpoints(tmp_path: Path) -> None:
-    run_distributed(_first_world, WORLD_SIZE, tmp_path)
+    run_distributed(_first_world, FSDP_FLATTENED.world_size, tmp_path)
     _assert_optimizer_keys_flattened(tmp_path / "swapped")
     _assert_optimizer_keys_flattened(tmp_path / "plain")
-    run_distributed(_resume_world, WORLD_SIZE, tmp_path)
+    run_distributed(_resume_world, FSDP_FLATTENED.world_size, tmp_path)

@@ -12,6 +12,7 @@ FSDP2 over 4 ranks with the gathered values of the 2-rank run.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_training import (
-    HIDDEN,
-    IN_FEATURES,
+    FSDP,
     adamw,
     assert_snapshots_equal,
     build_layers,
     check_interop_both_ways,
-    full_snapshot,
-    gathered,
     local_snapshot,
+    resharded_to_more_ranks,
+    resharded_to_one_process,
+    resume_bitwise,
     shard,
     train,
+    train_save_and_record,
 )
 
 from swap_ckpt import AppState, CheckpointFileError, CheckpointMismatchError, StateInitDivergenceError, load_checkpoint
@@ -40,38 +42,29 @@ from swap_core.testing.distributed import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
 
-WORLD_SIZE = 2
-FIRST, SECOND = 5, 5
-
 
 def _sim(optimizer: torch.optim.Optimizer) -> SimBackend:
     assert isinstance(optimizer, SwapOptimizer) and isinstance(optimizer.backend, SimBackend)
     return optimizer.backend
 
 
-def _reference(world_size: int, *, swapped: bool, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = shard(build_layers(), world_size)
-    return model, adamw(model, swapped=swapped, seed=rank)
-
-
 def _first_world(rank: int, world_size: int, directory: Path) -> None:
-    model, optimizer = _reference(world_size, swapped=True, rank=rank)
-    train(model, optimizer, 0, FIRST, rank)
-    at_save = local_snapshot(model, optimizer)
-    _save_within_device_bound(model, optimizer, directory / "swapped", rank)
-    # An async save, then steps at once: the checkpoint must still be the state at save time.
-    # Its own process group: the background writer's collectives must not interleave with training's.
-    checkpoint_group = dist.new_group(backend="gloo")
-    app = AppState(model, optimizer)
-    pending = dcp.async_save({"app": app}, checkpoint_id=directory / "async", process_group=checkpoint_group)
-    assert app.private_host_bytes == 0, "the async save made a copy of its own beside DCP's staging copy"
-    train(model, optimizer, FIRST, SECOND, rank)
-    pending.result()
-    torch.save({"at_save": at_save, "final": local_snapshot(model, optimizer)}, directory / f"expected_{rank}.pt")
+    def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> Callable[[], None]:
+        _save_within_device_bound(model, optimizer, checkpoint, rank)
+        # An async save, then steps at once: the checkpoint must still be the state at save time.
+        # Its own process group: the background writer's collectives must not interleave with training's.
+        checkpoint_group = dist.new_group(backend="gloo")
+        app = AppState(model, optimizer)
+        pending = dcp.async_save({"app": app}, checkpoint_id=directory / "async", process_group=checkpoint_group)
+        assert app.private_host_bytes == 0, "the async save made a copy of its own beside DCP's staging copy"
 
-    check_interop_both_ways(
-        lambda swapped: _reference(world_size, swapped=swapped, rank=rank), rank, directory, at_save, steps=FIRST
-    )
+        def finish() -> None:
+            pending.result()
+
+        return finish
+
+    model, optimizer, at_save = train_save_and_record(FSDP, rank, directory, save=save)
+    check_interop_both_ways(FSDP, rank, directory, at_save)
     _bad_checkpoints_leave_live_state_untouched(model, optimizer, world_size, rank, directory)
     _ranks_disagreeing_on_the_init_step_fail_together(world_size, rank)
 
@@ -138,7 +131,7 @@ def _ranks_disagreeing_on_the_init_step_fail_together(world_size: int, rank: int
     creates its states without one, gradients or not, and moves nothing to the device.
     """
     for swapped in (False, True):
-        model, optimizer = _reference(world_size, swapped=swapped, rank=rank)
+        model, optimizer = FSDP.build(rank, swapped=swapped)
         if rank == 1:
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)
@@ -168,48 +161,37 @@ def _corrupt_copies(checkpoint: Path, directory: Path) -> None:
 
 
 def _second_world(rank: int, world_size: int, directory: Path) -> None:
-    expected = torch.load(directory / f"expected_{rank}.pt", weights_only=True)
     for checkpoint in ("swapped", "async"):
-        model, optimizer = _reference(world_size, swapped=True, rank=rank)
-        sim = _sim(optimizer)
-        sim.reset_peak_memory_stats()
-        dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=directory / checkpoint)
-        load_peak = sim.max_memory_allocated()
-        assert_snapshots_equal(expected["at_save"], local_snapshot(model, optimizer), f"rank {rank} {checkpoint} load")
-        train(model, optimizer, FIRST, SECOND, rank)
-        assert_snapshots_equal(expected["final"], local_snapshot(model, optimizer), f"rank {rank} {checkpoint} resume")
+        _, optimizer = resume_bitwise(FSDP, rank, directory, checkpoint=checkpoint, loader=_load_measured)
         # A fresh optimizer gets its states without torch's init step: loading holds only the tiny resident
         # states on the device (old and new briefly), far below a step's peak.
         stats = optimizer.stats  # type: ignore[attr-defined]
+        load_peak = _LOAD_PEAKS.pop()
         assert load_peak == 2 * stats.resident_state_device_bytes, (rank, load_peak, stats)
         assert 0 < stats.resident_state_device_bytes < stats.peak_state_device_bytes, stats
 
 
-def _resharded_to_one_process(directory: Path) -> None:
-    """The 2-rank checkpoint loads into an unsharded model in one process: the gathered values."""
-    per_rank = [torch.load(directory / f"expected_{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
-    model = build_layers()
-    optimizer = adamw(model, swapped=True)
-    load_checkpoint({"app": AppState(model, optimizer)}, directory / "swapped")
-    at_save = gathered([run["at_save"] for run in per_rank])
-    assert at_save["optim"]["state"]["0.weight"]["exp_avg"].shape == (HIDDEN, IN_FEATURES)
-    assert_snapshots_equal(at_save, local_snapshot(model, optimizer), "2 -> 1")
+_LOAD_PEAKS: list[int] = []
+"""The device peak of each :func:`_load_measured` of this process."""
+
+
+def _load_measured(state_dict: dict[str, Any], checkpoint: Path) -> None:
+    """``dcp.load``, its device peak noted in :data:`_LOAD_PEAKS`."""
+    (optimizer,) = state_dict["app"].optimizers
+    sim = _sim(optimizer)
+    sim.reset_peak_memory_stats()
+    dcp.load(state_dict, checkpoint_id=checkpoint)
+    _LOAD_PEAKS.append(sim.max_memory_allocated())
 
 
 def _resharded_to_four_ranks(rank: int, world_size: int, directory: Path) -> None:
     """The 2-rank checkpoint loads into FSDP2 over 4 ranks: the gathered values, each rank its quarter."""
-    per_rank = [torch.load(directory / f"expected_{saved}.pt", weights_only=True) for saved in range(WORLD_SIZE)]
-    model, optimizer = _reference(world_size, swapped=True, rank=rank)
-    load_checkpoint({"app": AppState(model, optimizer)}, directory / "swapped")
-    local_state = local_snapshot(model, optimizer)["optim"]["state"]["0.weight"]["exp_avg"]
-    assert local_state.shape == (HIDDEN // world_size, IN_FEATURES), local_state.shape
-    at_save = gathered([run["at_save"] for run in per_rank])
-    assert_snapshots_equal(at_save, full_snapshot(model, optimizer), f"rank {rank} 2 -> {world_size}")
+    resharded_to_more_ranks(FSDP, rank, world_size, directory, "exp_avg")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_fsdp2_swapped_adamw_checkpoints(tmp_path: Path) -> None:
-    run_distributed(_first_world, WORLD_SIZE, tmp_path)
-    run_distributed(_second_world, WORLD_SIZE, tmp_path)
-    _resharded_to_one_process(tmp_path)
+    run_distributed(_first_world, FSDP.world_size, tmp_path)
+    run_distributed(_second_world, FSDP.world_size, tmp_path)
+    resharded_to_one_process(FSDP, tmp_path, "exp_avg")
     run_distributed(_resharded_to_four_ranks, 4, tmp_path)
