@@ -380,11 +380,11 @@ def whole_arena_after_first_half() -> Iterator[None]:
     prefetch = pipeline.PipelineScheduler.prefetch_batch
 
     def prefetch_too_early(
-        self: pipeline.PipelineScheduler, batch: object, stats: object, *, packed: bool, reused: object = None
+        self: pipeline.PipelineScheduler, batch: object, stats: object, *, reused: object = None
     ) -> object:
         if isinstance(reused, pipeline.Offloaded):
             reused = pipeline.Offloaded(reused.front, reused.front)
-        return prefetch(self, batch, stats, packed=packed, reused=reused)  # type: ignore[arg-type]
+        return prefetch(self, batch, stats, reused=reused)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipeline.PipelineScheduler, "prefetch_batch", prefetch_too_early)

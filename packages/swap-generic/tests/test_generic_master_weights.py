@@ -303,6 +303,96 @@ def test_an_outside_step_method_writing_per_parameter_values_is_refused_and_the_
     assert group["seen"] == first and group["train_mode"] is False, "the groups as the finished call left them"
 
 
+class FailsOnFourthParameter(LerpOnEval):
+    """An ``eval()`` that fails when it meets its fourth parameter (run one parameter at a time: its fourth call), an
+    fp16 one whose states and master are swapped."""
+
+    calls = 0
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        FailsOnFourthParameter.calls += 1
+        if FailsOnFourthParameter.calls == 4:
+            raise RuntimeError("eval failed")
+        super().eval()
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_an_outside_step_method_that_fails_keeps_the_failed_parameters_states_and_the_next_step_runs(
+    packed: bool,
+) -> None:
+    """The failed parameter's device copies are dropped: its host mirrors and master are as before the call, its
+    slots back in host memory, so the next step and the next ``eval()`` run."""
+    FailsOnFourthParameter.calls = 0
+    params = make_params()
+    optimizer = swapped(params, FailsOnFourthParameter, SimBackend(mode="random", seed=3), packed=packed)
+    set_same_grads(0, params)
+    optimizer.step()
+    failed = params[3]
+    assert failed.dtype == torch.float16 and failed.numel() >= MIN_NUMEL
+    before = {key: value.detach().clone() for key, value in optimizer.state[failed].items()}
+    param_before = failed.detach().clone()
+    with pytest.raises(RuntimeError, match="eval failed"):
+        optimizer.eval()  # type: ignore[attr-defined]
+    for key, value in optimizer.state[failed].items():
+        assert_bitwise_equal(before[key], value, f"{key} of the parameter whose call failed")
+    assert_bitwise_equal(param_before, failed, "the parameter whose call failed")
+    optimizer.eval()  # type: ignore[attr-defined]
+    optimizer.train()  # type: ignore[attr-defined]
+    set_same_grads(1, params)
+    optimizer.step()
+    assert all(torch.isfinite(param).all() for param in params)
+
+
+def test_an_outside_step_method_sees_a_state_replaced_since_the_last_step() -> None:
+    """A state assigned between steps is what ``eval()`` lerps the master towards (the slots follow the edit
+    first), as in the plain optimizer over fp32 masters."""
+    params = make_params()
+    optimizer = swapped(params, LerpOnEval, SimBackend(mode="lazy"))
+    set_same_grads(0, params)
+    optimizer.step()
+    first = params[0]
+    state = optimizer.state[first]
+    master = state[MASTER_KEY].detach().clone()
+    state["momentum_buffer"] = torch.zeros_like(master)
+    optimizer.eval()  # type: ignore[attr-defined]
+    expected = torch.lerp(master, torch.zeros_like(master), 0.25)
+    assert_bitwise_equal(expected, optimizer.state[first][MASTER_KEY], "the master after eval()")
+    assert_bitwise_equal(expected.to(first.dtype), first, "the parameter follows its master")
+
+
+def test_an_outside_step_method_over_dtensor_parameters_sees_its_sharded_states_as_dtensors() -> None:
+    """A 1-rank mesh (every rank does the same on its shard): ``eval()`` over the masters of DTensor parameters gets
+    each swapped state as the DTensor it is between steps, and matches the plain optimizer over fp32 masters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from swap_core.testing.distributed import initialized_process_group
+
+    def run() -> None:
+        mesh = init_device_mesh("cpu", (1,))
+        full = make_params(5)
+        params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
+        reference_params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
+        reference = MasterReference(reference_params, LerpOnEval)
+        optimizer = swapped(params, LerpOnEval, SimBackend(mode="random", seed=5))
+        for step in range(2):
+            generator = torch.Generator().manual_seed(step)
+            for param, reference_param in zip(params, reference_params, strict=True):
+                grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+                param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+                reference_param.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            optimizer.step()
+            reference.step()
+        reference.optimizer.eval()  # type: ignore[attr-defined]
+        reference.copy_masters_to_params()
+        optimizer.eval()  # type: ignore[attr-defined]
+        reference.assert_matches(optimizer, params, "after eval() over DTensor masters")
+
+    with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
+        run()
+
+
 BNB_SHAPES_AND_DTYPES = (((128, 64), torch.bfloat16), ((8192,), torch.float16), ((16,), torch.float32))
 """At least 4,096 elements get 8-bit states (bitsandbytes' min_8bit_size); the last stays 32-bit."""
 

@@ -149,8 +149,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._swapping.scheduler.discard_prefetch()
         if not self.config.master_weights:
             return call()
-        assert self.backend is not None
-        return outside_step_on_masters(self.optimizer, self.backend, call, method=name)
+        sync = self._swapping.sync
+        sync.follow_edits(sync.ordered_params())  # the slots are the states the method is to see
+        return outside_step_on_masters(self.optimizer, sync.backend, sync.store.slots, call, method=name)
 
     def _share_hooks(self) -> None:
         # Hooks registered on the plain optimizer (before wrapping, too) run once per step.

@@ -25,7 +25,9 @@ so that the copy-in of the first half overlaps the copy-out of the second.
 Waiting for the whole offload instead would idle the copy-in stream for half an
 update per batch (6% of a step at 16 batches on PCIe 4, on the virtual clock).
 Per-tensor mode restores each state's own storage one batch ahead and releases
-it once its offload is done.
+it once its offload is done. Which of the two a plan has is its
+:class:`~swap_core.runtime.staging.Staging`, chosen once when the plan is built;
+the scheduler walks either through the same calls.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import contextlib
 import logging
 import traceback
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
 
 import torch
 
@@ -45,19 +46,13 @@ from ..torch_compat import profiler_enabled
 from ..trace import StepTrace, TraceInterval
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
+from .staging import Offloaded
 
 __all__ = ["Offloaded", "PipelineScheduler", "UpdateFn", "drain_in_flight_copies"]
 
 UpdateFn = Callable[[PlannedBatch], None]
 
 _LOG = logging.getLogger("swap_core")
-
-
-class Offloaded(NamedTuple):
-    """Events of one batch's offload: its copies of the arena's first half done, and all of them done."""
-
-    front: Event
-    done: Event
 
 
 class PipelineScheduler:
@@ -95,12 +90,11 @@ class PipelineScheduler:
             return
         self.compute = self.backend.compute_stream()
         self._settle()
-        packed = plan.arenas is not None
-        if plan.arenas is not None:
-            plan.arenas.acquire()
+        plan.staging.acquire()
         counted = SwapStats()
         try:
-            event = self.prefetch_batch(plan.batches[0], counted, packed=packed)
+            reused = plan.staging.walk(plan.batches[:1], self.compute).before_copy_in(0)
+            event = self.prefetch_batch(plan.batches[0], counted, reused=reused)
         except BaseException:
             self._free_first_batch(plan)
             raise
@@ -129,8 +123,7 @@ class PipelineScheduler:
             batch for batch in plan.batches if batch.index not in skip or (early is not None and batch.index == 0)
         ]
         if batches:
-            if plan.arenas is not None:
-                plan.arenas.acquire()
+            plan.staging.acquire()
             with self._recover_on_error(plan):
                 self._walk(plan, batches, early, update, stats)
                 self._free_last_staging(plan, batches, keep_staging=keep_staging)
@@ -148,18 +141,13 @@ class PipelineScheduler:
         stats: SwapStats,
     ) -> None:
         """Every batch of ``batches`` in turn: the next one's copy-in issued while it updates, then its copy-out."""
-        packed = plan.arenas is not None
+        staging = plan.staging.walk(batches, self.compute)
         prefetched: dict[int, Event] = {}
-        offloaded: list[Offloaded] = []
-        last_out_of: dict[int, Offloaded] = {}
-        """The last offload out of each arena (packed): a copy into that arena waits for it, half by half."""
+        offloaded: Offloaded | None = None
 
         def prefetch(position: int) -> None:
-            batch = batches[position]
-            if not packed and position >= 2:  # it takes the memory the batch two before used
-                self._reclaim(batches[position - 2], offloaded[position - 2].done)
-            reused = last_out_of.get(batch.arena_index) if packed else None
-            prefetched[position] = self.prefetch_batch(batch, stats, packed=packed, reused=reused)
+            reused = staging.before_copy_in(position)
+            prefetched[position] = self.prefetch_batch(batches[position], stats, reused=reused)
 
         # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
         resident_at = 1 if early is not None and len(batches) > 1 else 0
@@ -170,31 +158,26 @@ class PipelineScheduler:
             prefetch(0)
         for position, batch in enumerate(batches):
             following = position + 1 if position + 1 < len(batches) else None
-            # The next batch comes in while this one updates, unless it needs this one's arena (skipped batches
+            # The next batch comes in while this one updates, unless it needs this one's memory (skipped batches
             # between them): then it comes in once this one is copied out.
-            shares_arena = following is not None and packed and batches[following].arena_index == batch.arena_index
-            if following is not None and not shares_arena:
+            after_copy_out = following is not None and staging.needs_memory_of(following, position)
+            if following is not None and not after_copy_out:
                 prefetch(following)
             if position == resident_at and plan.resident is not None:
                 self.update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
             self.update_batch(batch, prefetched[position], update)
-            offloaded.append(self.offload_batch(batch, stats))
-            last_out_of[batch.arena_index] = offloaded[-1]
-            if following is not None and shares_arena:
+            offloaded = self.offload_batch(batch, stats)
+            staging.copied_out(position, offloaded)
+            if following is not None and after_copy_out:
                 prefetch(following)
-        self._last_offload = offloaded[-1].done
+        assert offloaded is not None, "a walk has batches"
+        self._last_offload = offloaded.done
         self._in_flight = plan
 
     def _free_last_staging(self, plan: SwapPlan, batches: list[PlannedBatch], *, keep_staging: bool) -> None:
         """The last offloads still read their staging memory: it is freed stream-ordered behind them, so the compute
         stream (the next forward) does not wait for them."""
-        if plan.arenas is not None:
-            if not keep_staging:
-                plan.arenas.release(in_use_on=self.d2h)
-            return
-        for batch in batches[max(len(batches) - 2, 0) :]:
-            for view in batch.device_views:
-                self.backend.release_storage(view, in_use_on=self.d2h)
+        plan.staging.release_after_walk(batches, in_use_on=self.d2h, keep=keep_staging)
 
     def _finish_trace(self, trace: StepTrace | None) -> None:
         if trace is not None and self._timeline is not None:
@@ -237,20 +220,16 @@ class PipelineScheduler:
         self._finish_offloads()
 
     # -- the three moves ------------------------------------------------------
-    def prefetch_batch(
-        self, batch: PlannedBatch, stats: SwapStats, *, packed: bool, reused: Offloaded | None = None
-    ) -> Event:
-        """Copy ``batch`` in; ``reused``: the offload of the batch whose arena it takes (packed mode)."""
+    def prefetch_batch(self, batch: PlannedBatch, stats: SwapStats, *, reused: Offloaded | None = None) -> Event:
+        """Copy ``batch`` in, its staging memory ready (:meth:`~swap_core.runtime.staging.StagingWalk.before_copy_in`);
+        ``reused``: the offload of the batch whose arena it takes, waited for half by half."""
         with _profiler_range("swap::prefetch"):
-            if not packed:
-                for view in batch.device_views:
-                    self.backend.restore_storage(view)
             # Fresh device memory belongs to the compute stream until the copy stream waits for it.
             self._after_compute(self.h2d)
             started = self._mark(self.h2d)
             nbytes = 0
             for position, (host, device) in enumerate(batch.transfers):
-                if packed and reused is not None and position in (0, batch.front_transfers):
+                if reused is not None and position in (0, batch.front_transfers):
                     # Each half of the arena once the offload read that half.
                     self.backend.wait_event(self.h2d, reused.front if position < batch.front_transfers else reused.done)
                 self.backend.copy(device, host, stream=self.h2d)
@@ -296,13 +275,6 @@ class PipelineScheduler:
             done = self.backend.record_event(self.d2h)
             return Offloaded(front if front is not None else done, done)
 
-    def _reclaim(self, batch: PlannedBatch, offloaded: Event) -> None:
-        """Per-tensor mode: free the storages ``batch`` used once its offload has read them (the compute stream
-        waits for it, so that the next batch's restore on that stream can take the same memory)."""
-        self.backend.wait_event(self.compute, offloaded)
-        for view in batch.device_views:
-            self.backend.release_storage(view, in_use_on=self.compute)
-
     def _mark(self, stream: Stream) -> Event | None:
         return self._timeline.mark(stream) if self._timeline is not None else None
 
@@ -332,18 +304,7 @@ class PipelineScheduler:
 
     def _free_first_batch(self, plan: SwapPlan) -> None:
         """The staging memory of ``plan``'s first batch (its arenas, in packed mode), behind its copy-in."""
-        self._free_staging(plan, plan.batches[:1], in_use_on=self.h2d)
-
-    def _free_staging(self, plan: SwapPlan, batches: list[PlannedBatch], *, in_use_on: Stream | None = None) -> None:
-        """``plan``'s arenas (packed mode), or the restored storages of ``batches``, freed behind the work issued to
-        ``in_use_on`` (``None``: the work using them is done)."""
-        if plan.arenas is not None:
-            plan.arenas.release(in_use_on=in_use_on)
-            return
-        for batch in batches:
-            for view in batch.device_views:
-                if view.untyped_storage().nbytes() > 0:
-                    self.backend.release_storage(view, in_use_on=in_use_on)
+        plan.staging.release(plan.batches[:1], in_use_on=self.h2d)
 
     # -- between steps --------------------------------------------------------
     def _settle(self) -> None:
@@ -406,7 +367,7 @@ class PipelineScheduler:
         if self._stranded:
             return  # their staging memory still holds the only copy
         self._stranded_plan = None
-        self._free_staging(plan, plan.batches)  # the synchronize above ordered everything
+        plan.staging.release(plan.batches, in_use_on=None)  # the synchronize above ordered everything
 
 
 def drain_in_flight_copies(scheduler: PipelineScheduler) -> None:

@@ -8,7 +8,6 @@ plan's ``resident`` batch, updated first, while batch 0 is still being copied in
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -16,11 +15,11 @@ import torch
 
 from ..adapters.base import RESIDENT_BATCH_INDEX
 from ..backends.protocol import DeviceBackend
-from ..errors import SwapStateError
 from .dtensor import wrap_local
-from .packed import ARENA_ALIGN_BYTES, PackedHost, StagingArenas, align_up, arena_bytes, split_at_middle
 from .partition import partition_consecutive
+from .planned_batch import GradientPositions, PlannedBatch
 from .slots import SwapSlot
+from .staging import Staging, stage_batches, staging_peak_bytes
 from .state_keys import is_fresh
 from .store import StateStore
 
@@ -34,49 +33,13 @@ __all__ = [
     "staging_bytes",
 ]
 
-GradientPositions = slice | list[int]
-"""Where a segment's gradients lie among all gradients in parameter order: a slice, or (with gaps) the positions."""
-
-
-@dataclasses.dataclass(eq=False)
-class PlannedBatch:
-    """Consecutive parameters whose swapped states move and update together."""
-
-    index: int
-    params: list[tuple[int, torch.Tensor]]
-    """``(group index, parameter)`` in param-group order."""
-    slots: list[SwapSlot]
-    nbytes: int
-    """Swapped state bytes of the batch (without packing padding)."""
-    transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
-    """``(host, device)`` pairs copied in and out: one per dtype (packed; two where a dtype's region crosses the
-    middle of the arena, with more than two batches) or one per slot."""
-    front_transfers: int = 0
-    """How many of ``transfers`` (the first ones) lie in the first half of the arena (packed, more than two
-    batches); ``len(transfers)`` otherwise. The copy-in of a batch waits for the copy-out of the batch two before
-    it half by half."""
-    device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    """Each slot's local device tensor during the update (a staging-arena view when packed)."""
-    segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None], GradientPositions]] = dataclasses.field(
-        default_factory=list
-    )
-    """``params`` split by param group, bound once per plan: ``(group index, params, optimizer.state[p] of each,
-    their positions among all parameters in order)`` (``None`` for a parameter without state yet)."""
-    slot_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
-    update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    """The same device tensors as the update sees them in ``state`` (DTensors re-wrapped)."""
-
-    @property
-    def arena_index(self) -> int:
-        return self.index % 2
-
 
 @dataclasses.dataclass(eq=False)
 class SwapPlan:
     batches: list[PlannedBatch]
     """The swapped batches in the order a step walks them (``batches[i].index == i``)."""
-    arenas: StagingArenas | None
+    staging: Staging
+    """Where the batches live on the device during a step (two packed arenas, or each state's own storage)."""
     version: int
     param_count: int = 0
     """Parameters the batches (the resident one included) cover, every one once."""
@@ -91,10 +54,7 @@ class SwapPlan:
     @property
     def peak_staging_bytes(self) -> int:
         """Device bytes of swapped state held at once during a step."""
-        if self.arenas is not None:
-            return self.arenas.total_bytes
-        sizes = [batch.nbytes for batch in self.batches]
-        return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+        return self.staging.peak_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +79,8 @@ def build_plan(
     *,
     walk_every_batch: bool = False,
 ) -> SwapPlan:
-    """Partition ``params`` into batches, lay out their staging views (packed mode) and bind them to ``state``.
+    """Partition ``params`` into batches, stage them (:func:`~swap_core.runtime.staging.stage_batches`) and bind them
+    to ``state``.
 
     ``partition.state`` is the optimizer's state mapping: each batch keeps the state dict of each of its
     parameters (``None`` for one without state yet), so that a step looks nothing up by tensor.
@@ -131,16 +92,7 @@ def build_plan(
     gradients); the split is the same. ``walk_every_batch``: see :attr:`SwapPlan.walk_every_batch`.
     """
     batches, spans, resident, slots_of, nbytes = _partitioned(store, params, partition)
-    arenas = None
-    if store.packed_host is not None and sum(nbytes) > 0:
-        arenas = _stage(store.packed_host, backend, batches)
-    else:
-        for batch in batches:
-            batch.device_views = [_device_tensor(slot) for slot in batch.slots]
-            batch.transfers = [
-                (slot.host_mirror, view) for slot, view in zip(batch.slots, batch.device_views, strict=True)
-            ]
-            batch.front_transfers = len(batch.transfers)
+    staging = stage_batches(store.packed_host, backend, batches)
     for batch in batches:
         pairs = zip(batch.slots, batch.device_views, strict=True)
         batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]
@@ -151,7 +103,7 @@ def build_plan(
     all_states_exist = _bind_states(walked, positions, partition.state)
     return SwapPlan(
         batches=batches,
-        arenas=arenas,
+        staging=staging,
         version=store.version,
         param_count=len(params),
         all_states_exist=all_states_exist,
@@ -164,10 +116,7 @@ def staging_bytes(store: StateStore, params: Sequence[tuple[int, torch.Tensor]],
     """The :attr:`SwapPlan.peak_staging_bytes` that :func:`build_plan` would give, without allocating anything (how
     ``swap_times="auto"`` compares batch counts)."""
     batches, *_ = _partitioned(store, params, partition)
-    if store.packed_host is not None and sum(batch.nbytes for batch in batches) > 0:
-        return sum(align_up(size, ARENA_ALIGN_BYTES) for size in _arena_sizes(store.packed_host, batches))
-    sizes = [batch.nbytes for batch in batches]
-    return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+    return staging_peak_bytes(store.packed_host, batches)
 
 
 def _partitioned(
@@ -197,16 +146,6 @@ def _partitioned(
         spans.reverse()
     batches = [_batch(index, positions, params, slots_of, nbytes) for index, positions in enumerate(spans)]
     return batches, spans, resident, slots_of, nbytes
-
-
-def _arena_sizes(packed: PackedHost, batches: list[PlannedBatch]) -> list[int]:
-    """Arena ``j`` stages the batches of index parity ``j``: each is as large as the largest of those."""
-    sizes = [0] * min(2, len(batches))
-    for batch in batches:
-        ranges = packed.ranges(batch.slots)
-        region_bytes = {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in ranges.items()}
-        sizes[batch.arena_index] = max(sizes[batch.arena_index], arena_bytes(region_bytes))
-    return sizes
 
 
 def _batch(
@@ -266,31 +205,3 @@ def _runs(
             where = slice(run[0], run[-1] + 1)
         yield params[run_start][0], [param for _, param in params[run_start:end]], where
         run_start = end
-
-
-def _stage(packed: PackedHost, backend: DeviceBackend, batches: list[PlannedBatch]) -> StagingArenas:
-    ranges = [packed.ranges(batch.slots) for batch in batches]
-    region_bytes = [
-        {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in batch_ranges.items()}
-        for batch_ranges in ranges
-    ]
-    arenas = StagingArenas(backend, _arena_sizes(packed, batches))
-    # An arena is reused (by batch i + 1, while batch i - 1 is copied out of it) only with more than two batches.
-    reused = len(batches) > 2
-    for batch, batch_ranges, sizes in zip(batches, ranges, region_bytes, strict=True):
-        index = batch.arena_index
-        regions = arenas.regions(index, sizes)
-        whole = [(packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()]
-        middle = arenas.middle(index) if reused else arenas.sizes[index]
-        batch.transfers, batch.front_transfers = split_at_middle(whole, middle)
-        for slot in batch.slots:
-            start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
-            batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))
-    arenas.release()
-    return arenas
-
-
-def _device_tensor(slot: SwapSlot) -> torch.Tensor:
-    if slot.device is None:
-        raise SwapStateError(f"{slot!r} has no device tensor")
-    return slot.device

@@ -2,7 +2,7 @@
 
 A slot's life::
 
-    pending -> device <-> d2h -> host <-> h2d -> device
+    pending -> device <-> d2h -> host <-> h2d -> device (-> host: dropped)
 
 ``pending``: known, not yet materialized. ``device``: the device copy is
 authoritative. ``d2h``: an offload copy is enqueued. ``host``: the host mirror is
@@ -35,7 +35,9 @@ class SlotState(enum.Enum):
 
 _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
     SlotState.PENDING: frozenset({SlotState.DEVICE, SlotState.HOST}),
-    SlotState.DEVICE: frozenset({SlotState.D2H}),
+    # device -> host: the device copy is dropped unwritten-back; the host mirror never changed (a method run
+    # outside step() over the masters that failed, see master_weights/outside_step.py).
+    SlotState.DEVICE: frozenset({SlotState.D2H, SlotState.HOST}),
     # d2h -> device: the offload copy could not be enqueued; the device copy stays authoritative.
     SlotState.D2H: frozenset({SlotState.HOST, SlotState.DEVICE}),
     SlotState.HOST: frozenset({SlotState.H2D}),

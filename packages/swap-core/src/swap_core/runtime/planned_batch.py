@@ -1,0 +1,49 @@
+"""One batch of a plan: consecutive parameters whose swapped states move and update together."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .slots import SwapSlot
+
+__all__ = ["GradientPositions", "PlannedBatch"]
+
+GradientPositions = slice | list[int]
+"""Where a segment's gradients lie among all gradients in parameter order: a slice, or (with gaps) the positions."""
+
+
+@dataclasses.dataclass(eq=False)
+class PlannedBatch:
+    """Consecutive parameters whose swapped states move and update together."""
+
+    index: int
+    params: list[tuple[int, torch.Tensor]]
+    """``(group index, parameter)`` in param-group order."""
+    slots: list[SwapSlot]
+    nbytes: int
+    """Swapped state bytes of the batch (without packing padding)."""
+    transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """``(host, device)`` pairs copied in and out: one per dtype (packed; two where a dtype's region crosses the
+    middle of the arena, with more than two batches) or one per slot."""
+    front_transfers: int = 0
+    """How many of ``transfers`` (the first ones) lie in the first half of the arena (packed, more than two
+    batches); ``len(transfers)`` otherwise. The copy-in of a batch waits for the copy-out of the batch two before
+    it half by half."""
+    device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Each slot's local device tensor during the update (a staging-arena view when packed)."""
+    segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None], GradientPositions]] = dataclasses.field(
+        default_factory=list
+    )
+    """``params`` split by param group, bound once per plan: ``(group index, params, optimizer.state[p] of each,
+    their positions among all parameters in order)`` (``None`` for a parameter without state yet)."""
+    slot_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
+    update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """The same device tensors as the update sees them in ``state`` (DTensors re-wrapped)."""
+
+    @property
+    def arena_index(self) -> int:
+        return self.index % 2

@@ -1,0 +1,255 @@
+"""Where a plan's batches live on the device during a step: two packed arenas, or each state's own storage.
+
+A :class:`Staging` is chosen once per plan (:func:`stage_batches`), from the store's host layout: packed host
+buffers are staged in :class:`ArenaStaging` (two arenas, one copy per dtype and batch), per-tensor host buffers in
+:class:`PerTensorStaging` (each state's own device storage, restored one batch ahead). The pipeline walks a step
+through a :class:`StagingWalk` and never asks which one it has.
+
+Both hand the memory of batch ``i - 2`` to batch ``i`` (two batches are staged at a time) and order that hand-over
+after batch ``i - 2``'s copy-out: the arenas by a copy-in that waits for the copy-out half by half, the storages by
+releasing them on the compute stream once the copy-out is done, so that the restore on that stream reuses them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from ..backends.protocol import DeviceBackend, Event, Stream
+from ..errors import SwapStateError
+from .packed import ARENA_ALIGN_BYTES, PackedHost, StagingArenas, align_up, arena_bytes, split_at_middle
+from .planned_batch import PlannedBatch
+from .slots import SwapSlot
+
+__all__ = [
+    "ArenaStaging",
+    "Offloaded",
+    "PerTensorStaging",
+    "Staging",
+    "StagingWalk",
+    "stage_batches",
+    "staging_peak_bytes",
+]
+
+
+class Offloaded(NamedTuple):
+    """Events of one batch's offload: its copies of the arena's first half done, and all of them done."""
+
+    front: Event
+    done: Event
+
+
+class StagingWalk(Protocol):
+    """One step's walk over the staged batches (``batches[position]``, in the order they are copied in)."""
+
+    def before_copy_in(self, position: int) -> Offloaded | None:
+        """Make the batch's device memory ready on the compute stream; returns the copy-out the copy-in must wait
+        for, half by half (``None``: nothing)."""
+        ...
+
+    def copied_out(self, position: int, offloaded: Offloaded) -> None:
+        """The batch's copy-out is issued: its memory goes to a later batch once ``offloaded`` is done."""
+        ...
+
+    def needs_memory_of(self, position: int, earlier: int) -> bool:
+        """Whether batch ``position`` takes the memory batch ``earlier`` still uses, so that its copy-in can only be
+        issued after ``earlier``'s copy-out (batches skipped between them)."""
+        ...
+
+
+class Staging(Protocol):
+    """A plan's staging memory (see the module)."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device bytes of swapped state held at once during a step."""
+        ...
+
+    def acquire(self) -> None:
+        """Before a step's (or a prefetch's) first copy-in: memory allocated for the whole step, if any."""
+        ...
+
+    def walk(self, batches: Sequence[PlannedBatch], compute: Stream) -> StagingWalk:
+        """A step's walk over ``batches``, whose updates run on ``compute``."""
+        ...
+
+    def release(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream | None) -> None:
+        """Free what ``batches`` hold (the arenas: all of it), stream-ordered behind the work issued to
+        ``in_use_on`` (``None``: the work using it is done)."""
+        ...
+
+    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
+        """After a walk over ``batches``: free what the last copy-outs still read, behind them (``in_use_on``);
+        ``keep``: the arenas stay allocated for the next step."""
+        ...
+
+
+class ArenaStaging:
+    """Packed host buffers staged in two device arenas that alternate between batches (see :mod:`.packed`)."""
+
+    def __init__(self, arenas: StagingArenas) -> None:
+        self.arenas = arenas
+
+    @classmethod
+    def lay_out(cls, packed: PackedHost, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> ArenaStaging:
+        """Cut each batch's views and transfers out of two new arenas (released again until a step acquires them)."""
+        ranges = [packed.ranges(batch.slots) for batch in batches]
+        arenas = StagingArenas(backend, _arena_sizes(packed, batches))
+        # An arena is reused (by batch i + 1, while batch i - 1 is copied out of it) only with more than two batches.
+        reused = len(batches) > 2
+        for batch, batch_ranges in zip(batches, ranges, strict=True):
+            index = batch.arena_index
+            regions = arenas.regions(index, _region_bytes(batch_ranges))
+            whole = [
+                (packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()
+            ]
+            middle = arenas.middle(index) if reused else arenas.sizes[index]
+            batch.transfers, batch.front_transfers = split_at_middle(whole, middle)
+            for slot in batch.slots:
+                start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
+                batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))
+        arenas.release()
+        return cls(arenas)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.arenas.total_bytes
+
+    def acquire(self) -> None:
+        self.arenas.acquire()
+
+    def walk(self, batches: Sequence[PlannedBatch], compute: Stream) -> StagingWalk:
+        return _ArenaWalk(batches)
+
+    def release(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream | None) -> None:
+        self.arenas.release(in_use_on=in_use_on)
+
+    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
+        if not keep:
+            self.arenas.release(in_use_on=in_use_on)
+
+
+class _ArenaWalk:
+    """A copy-in into an arena waits, half by half, for the last copy-out out of it."""
+
+    def __init__(self, batches: Sequence[PlannedBatch]) -> None:
+        self._batches = batches
+        self._last_out_of: dict[int, Offloaded] = {}
+
+    def before_copy_in(self, position: int) -> Offloaded | None:
+        return self._last_out_of.get(self._batches[position].arena_index)
+
+    def copied_out(self, position: int, offloaded: Offloaded) -> None:
+        self._last_out_of[self._batches[position].arena_index] = offloaded
+
+    def needs_memory_of(self, position: int, earlier: int) -> bool:
+        return self._batches[position].arena_index == self._batches[earlier].arena_index
+
+
+class PerTensorStaging:
+    """Per-tensor host buffers staged in each state's own device storage, restored one batch ahead of its update
+    and released once its copy-out is done."""
+
+    def __init__(self, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> None:
+        self._backend = backend
+        self._peak = _pairwise_peak([batch.nbytes for batch in batches])
+
+    @classmethod
+    def lay_out(cls, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> PerTensorStaging:
+        """Each batch's views are its slots' device tensors, each copied to and from its own host buffer."""
+        for batch in batches:
+            batch.device_views = [_device_tensor(slot) for slot in batch.slots]
+            batch.transfers = [
+                (slot.host_mirror, view) for slot, view in zip(batch.slots, batch.device_views, strict=True)
+            ]
+            batch.front_transfers = len(batch.transfers)
+        return cls(backend, batches)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    def acquire(self) -> None:
+        """Nothing: each batch's storages are restored before its copy-in."""
+
+    def walk(self, batches: Sequence[PlannedBatch], compute: Stream) -> StagingWalk:
+        return _PerTensorWalk(self._backend, batches, compute)
+
+    def release(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream | None) -> None:
+        for batch in batches:
+            for view in batch.device_views:
+                if view.untyped_storage().nbytes() > 0:
+                    self._backend.release_storage(view, in_use_on=in_use_on)
+
+    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
+        """The last two batches' storages (the earlier ones went to later batches); nothing is kept."""
+        for batch in batches[max(len(batches) - 2, 0) :]:
+            for view in batch.device_views:
+                self._backend.release_storage(view, in_use_on=in_use_on)
+
+
+class _PerTensorWalk:
+    """Batch ``i`` restores its storages on the compute stream after the storages of batch ``i - 2`` were released
+    there, once that batch's copy-out is done: the restore takes the same memory."""
+
+    def __init__(self, backend: DeviceBackend, batches: Sequence[PlannedBatch], compute: Stream) -> None:
+        self._backend, self._batches, self._compute = backend, batches, compute
+        self._offloaded: dict[int, Offloaded] = {}
+
+    def before_copy_in(self, position: int) -> Offloaded | None:
+        backend = self._backend
+        if position >= 2:  # it takes the memory the batch two before used
+            backend.wait_event(self._compute, self._offloaded.pop(position - 2).done)
+            for view in self._batches[position - 2].device_views:
+                backend.release_storage(view, in_use_on=self._compute)
+        for view in self._batches[position].device_views:
+            backend.restore_storage(view)
+        return None
+
+    def copied_out(self, position: int, offloaded: Offloaded) -> None:
+        self._offloaded[position] = offloaded
+
+    def needs_memory_of(self, position: int, earlier: int) -> bool:
+        return False
+
+
+def stage_batches(store_packed: PackedHost | None, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> Staging:
+    """The staging of ``batches``: arenas over a packed host layout (when anything is swapped), else each state's
+    own storage."""
+    if store_packed is not None and sum(batch.nbytes for batch in batches) > 0:
+        return ArenaStaging.lay_out(store_packed, backend, batches)
+    return PerTensorStaging.lay_out(backend, batches)
+
+
+def staging_peak_bytes(store_packed: PackedHost | None, batches: Sequence[PlannedBatch]) -> int:
+    """The :attr:`Staging.peak_bytes` that :func:`stage_batches` would give, without allocating anything."""
+    if store_packed is not None and sum(batch.nbytes for batch in batches) > 0:
+        return sum(align_up(size, ARENA_ALIGN_BYTES) for size in _arena_sizes(store_packed, batches))
+    return _pairwise_peak([batch.nbytes for batch in batches])
+
+
+def _pairwise_peak(sizes: Sequence[int]) -> int:
+    """Two consecutive batches staged at a time: the largest pair (or the one batch)."""
+    return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+
+
+def _region_bytes(batch_ranges: Mapping[torch.dtype, tuple[int, int]]) -> dict[torch.dtype, int]:
+    return {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in batch_ranges.items()}
+
+
+def _arena_sizes(packed: PackedHost, batches: Sequence[PlannedBatch]) -> list[int]:
+    """Arena ``j`` stages the batches of index parity ``j``: each is as large as the largest of those."""
+    sizes = [0] * min(2, len(batches))
+    for batch in batches:
+        index = batch.arena_index
+        sizes[index] = max(sizes[index], arena_bytes(_region_bytes(packed.ranges(batch.slots))))
+    return sizes
+
+
+def _device_tensor(slot: SwapSlot) -> torch.Tensor:
+    if slot.device is None:
+        raise SwapStateError(f"{slot!r} has no device tensor")
+    return slot.device
