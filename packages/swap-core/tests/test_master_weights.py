@@ -22,7 +22,13 @@ from swap_core.master_weights import MASTER_KEY, master_state_dict
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.conformance import through_torch_save
-from swap_core.testing.masters import MIXED_SHAPES_AND_DTYPES, MasterReference, mixed_precision_params, set_same_grads
+from swap_core.testing.masters import (
+    MIXED_SHAPES_AND_DTYPES,
+    MasterReference,
+    mixed_precision_params,
+    set_same_grads,
+    sharded_on,
+)
 
 pytestmark = pytest.mark.sim_only
 
@@ -297,23 +303,17 @@ def test_master_weights_over_dtensor_parameters_are_sharded_like_them_and_match_
     DTensor of its layout whose local shard is swapped; the multi-rank runs and their DCP checkpoints are
     swap-ckpt's ``test_ckpt_fsdp_masters.py``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from swap_core.testing.distributed import initialized_process_group
 
     def run() -> None:
         mesh = init_device_mesh("cpu", (1,))
-        full = make_params(7)
-        params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
-        reference_params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
+        params, reference_params = sharded_on(mesh, make_params(7)), sharded_on(mesh, make_params(7))
         reference = MasterReference(reference_params, rmsprop)
         optimizer = swapped(params, SimBackend(mode="random", seed=7))
         for step in range(4):
-            generator = torch.Generator().manual_seed(step)
-            for param, reference_param in zip(params, reference_params, strict=True):
-                grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-                param.grad = distribute_tensor(grad, mesh, [Shard(0)])
-                reference_param.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            set_same_grads(step, params, reference_params)
             optimizer.step()
             reference.step()
             reference.assert_matches(optimizer, params, f"step {step}")

@@ -24,7 +24,13 @@ from swap_core.master_weights import MASTER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.conformance import MASTER_MODES, ConformanceCase, through_torch_save
-from swap_core.testing.masters import MasterReference, check_master_weights, mixed_precision_params, set_same_grads
+from swap_core.testing.masters import (
+    MasterReference,
+    check_master_weights,
+    mixed_precision_params,
+    set_same_grads,
+    sharded_on,
+)
 from swap_generic import GenericAdapter
 
 pytestmark = pytest.mark.sim_only  # the simulator's checks (races, owns) are the point
@@ -365,23 +371,16 @@ def test_an_outside_step_method_over_dtensor_parameters_sees_its_sharded_states_
     """A 1-rank mesh (every rank does the same on its shard): ``eval()`` over the masters of DTensor parameters gets
     each swapped state as the DTensor it is between steps, and matches the plain optimizer over fp32 masters."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     from swap_core.testing.distributed import initialized_process_group
 
     def run() -> None:
         mesh = init_device_mesh("cpu", (1,))
-        full = make_params(5)
-        params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
-        reference_params = [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in full]
+        params, reference_params = sharded_on(mesh, make_params(5)), sharded_on(mesh, make_params(5))
         reference = MasterReference(reference_params, LerpOnEval)
         optimizer = swapped(params, LerpOnEval, SimBackend(mode="random", seed=5))
         for step in range(2):
-            generator = torch.Generator().manual_seed(step)
-            for param, reference_param in zip(params, reference_params, strict=True):
-                grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-                param.grad = distribute_tensor(grad, mesh, [Shard(0)])
-                reference_param.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            set_same_grads(step, params, reference_params)
             optimizer.step()
             reference.step()
         reference.optimizer.eval()  # type: ignore[attr-defined]

@@ -19,16 +19,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..backends.protocol import DeviceBackend
 from ..master_weights.params import has_master
 from ..optimizer import SwapOptimizer
+from ..runtime.dtensor import shard_layout
 from ..runtime.state_keys import MASTER_KEY
 from .compare import assert_bitwise_equal
 from .pairs import ConformanceCase, make_groups, make_params, set_grads, swap_config, through_torch_save, wrap_case
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "MASTER_DTYPES",
@@ -37,6 +41,7 @@ __all__ = [
     "check_master_weights",
     "mixed_precision_params",
     "set_same_grads",
+    "sharded_on",
 ]
 
 MASTER_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
@@ -63,12 +68,30 @@ def mixed_precision_params(
 
 def set_same_grads(step: int, *param_sets: Sequence[torch.Tensor]) -> None:
     """The same deterministic gradients for ``step`` on each of ``param_sets`` (lists of parameters of the same
-    shapes and dtypes, in the same order), each in its parameter's dtype."""
+    shapes and dtypes, in the same order), each in its parameter's dtype and, for a DTensor, its sharding."""
     generator = torch.Generator().manual_seed(1_000 + step)
     grads = [torch.randn(param.shape, generator=generator).to(param.dtype) for param in param_sets[0]]
     for params in param_sets:
         for param, grad in zip(params, grads, strict=True):
-            param.grad = grad.clone()
+            param.grad = _sharded_like(param, grad.clone())
+
+
+def sharded_on(mesh: DeviceMesh, tensors: Sequence[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """New DTensor parameters with ``tensors``' values, sharded on their first dimension over ``mesh`` (call it once
+    for the swapped run and once for its reference)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return [torch.nn.Parameter(distribute_tensor(tensor.detach(), mesh, [Shard(0)])) for tensor in tensors]
+
+
+def _sharded_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` as ``param`` holds it: sharded with its mesh and placements when it is a DTensor."""
+    if shard_layout(param) is None:
+        return full
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    assert isinstance(param, DTensor)
+    return distribute_tensor(full, param.device_mesh, param.placements)
 
 
 class MasterReference:
