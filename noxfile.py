@@ -170,8 +170,11 @@ def has_test_modules(directory: Path) -> bool:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over all Python code, and no package, test or example using another
-    package's underscore names (no torch needed)."""
+    """ruff check and ruff format --check over all Python code, and the private-name lint (no torch needed).
+
+    tools/check_private_reaches.py fails when a package, test or example uses another package's underscore
+    names, or a package names a private torch API outside its compat module.
+    """
     session.install(RUFF)
     targets = existing(LINT_TARGETS)
     session.run("ruff", "check", *targets, *session.posargs)

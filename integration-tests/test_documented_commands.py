@@ -68,15 +68,20 @@ def documented_commands() -> list[tuple[str, str]]:
 COMMANDS = documented_commands()
 
 
-def _nox_sessions() -> set[str]:
-    """The names of noxfile.py's sessions (functions decorated with ``nox.session``)."""
+def _nox_session_functions() -> dict[str, ast.FunctionDef]:
+    """noxfile.py's sessions (functions decorated with ``nox.session``), by name."""
     tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
     return {
-        node.name
+        node.name: node
         for node in tree.body
         if isinstance(node, ast.FunctionDef)
         and any("nox.session" in ast.unparse(decorator) for decorator in node.decorator_list)
     }
+
+
+def _nox_sessions() -> set[str]:
+    """The names of noxfile.py's sessions."""
+    return set(_nox_session_functions())
 
 
 def _pinned_torch() -> str:
@@ -164,3 +169,13 @@ def test_every_long_run_is_documented() -> None:
     """A command listed as a long run that the docs no longer show is a stale entry."""
     documented = {command for _, command in COMMANDS}
     assert set(LONG_RUNS) <= documented, f"not in the docs any more: {sorted(set(LONG_RUNS) - documented)}"
+
+
+def test_nox_lists_every_session_with_a_whole_sentence() -> None:
+    """``nox -l`` shows the first line of each session's docstring: it must be a sentence of its own, not the
+    start of one cut at the line's end."""
+    for name, function in _nox_session_functions().items():
+        docstring = ast.get_docstring(function, clean=False)
+        assert docstring, f"nox session {name!r} has no docstring for nox -l"
+        first = docstring.strip().splitlines()[0].rstrip()
+        assert first.endswith("."), f"nox -l cuts session {name!r}'s description: {first!r}"
