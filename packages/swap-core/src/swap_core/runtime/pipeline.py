@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -44,13 +44,12 @@ from ..errors import SwapStateError
 from ..stats import SwapStats
 from ..torch_compat import profiler_enabled
 from ..trace import StepTrace, TraceInterval
+from .batch_walk import BatchWalk, UpdateFn
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
 from .staging import Offloaded
 
 __all__ = ["Offloaded", "PipelineScheduler", "UpdateFn", "drain_in_flight_copies"]
-
-UpdateFn = Callable[[PlannedBatch], None]
 
 _LOG = logging.getLogger("swap_core")
 
@@ -140,38 +139,16 @@ class PipelineScheduler:
         update: UpdateFn,
         stats: SwapStats,
     ) -> None:
-        """Every batch of ``batches`` in turn: the next one's copy-in issued while it updates, then its copy-out."""
-        staging = plan.staging.walk(batches, self.compute)
-        prefetched: dict[int, Event] = {}
-        offloaded: Offloaded | None = None
-
-        def prefetch(position: int) -> None:
-            reused = staging.before_copy_in(position)
-            prefetched[position] = self.prefetch_batch(batches[position], stats, reused=reused)
-
-        # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
-        resident_at = 1 if early is not None and len(batches) > 1 else 0
+        """Every batch of ``batches`` in turn (:class:`~swap_core.runtime.batch_walk.BatchWalk`)."""
+        prefetched = None
         if early is not None:  # batch 0 was copied in by prefetch()
             stats.count("h2d", early.copies, early.nbytes)
-            prefetched[0] = early.event
-        else:
-            prefetch(0)
-        for position, batch in enumerate(batches):
-            following = position + 1 if position + 1 < len(batches) else None
-            # The next batch comes in while this one updates, unless it needs this one's memory (skipped batches
-            # between them): then it comes in once this one is copied out.
-            after_copy_out = following is not None and staging.needs_memory_of(following, position)
-            if following is not None and not after_copy_out:
-                prefetch(following)
-            if position == resident_at and plan.resident is not None:
-                self.update_resident(plan.resident, update)  # the compute stream would wait for a copy-in
-            self.update_batch(batch, prefetched[position], update)
-            offloaded = self.offload_batch(batch, stats)
-            staging.copied_out(position, offloaded)
-            if following is not None and after_copy_out:
-                prefetch(following)
-        assert offloaded is not None, "a walk has batches"
-        self._last_offload = offloaded.done
+            prefetched = early.event
+        walk = BatchWalk(self, plan, batches, self.compute, update, stats, prefetched=prefetched)
+        while not walk.done:
+            walk.advance()
+        assert walk.last_offload is not None, "a walk has batches"
+        self._last_offload = walk.last_offload.done
         self._in_flight = plan
 
     def _free_last_staging(self, plan: SwapPlan, batches: list[PlannedBatch], *, keep_staging: bool) -> None:

@@ -1,0 +1,101 @@
+"""One step's walk over its batches, a batch at a time: copy-in ahead, update, copy-out behind.
+
+:class:`BatchWalk` issues batch ``i + 1``'s copy-in while batch ``i`` updates, then batch ``i``'s copy-out; the
+plan's resident parameters update while the first wait for a copy-in would stall the compute stream. It runs the
+stages of a :class:`Stages` (the :class:`~swap_core.runtime.pipeline.PipelineScheduler`'s, which the simulator's
+planted-bug tests replace one at a time) and asks the plan's :class:`~swap_core.runtime.staging.Staging` where
+each batch's memory comes from. :meth:`BatchWalk.advance` takes one batch, so a caller can walk the step in one
+go (``PipelineScheduler.run``) or batch by batch as the batches become ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ..backends.protocol import Event, Stream
+from ..stats import SwapStats
+from .plan import PlannedBatch, SwapPlan
+from .staging import Offloaded
+
+__all__ = ["BatchWalk", "Stages", "UpdateFn"]
+
+UpdateFn = Callable[[PlannedBatch], None]
+
+
+class Stages(Protocol):
+    """The four stages of a batch (see :class:`~swap_core.runtime.pipeline.PipelineScheduler`)."""
+
+    def prefetch_batch(self, batch: PlannedBatch, stats: SwapStats, *, reused: Offloaded | None = None) -> Event: ...
+
+    def update_batch(self, batch: PlannedBatch, prefetched: Event, update: UpdateFn) -> None: ...
+
+    def offload_batch(self, batch: PlannedBatch, stats: SwapStats) -> Offloaded: ...
+
+    def update_resident(self, resident: PlannedBatch, update: UpdateFn) -> None: ...
+
+
+class BatchWalk:
+    """The walk of one step over ``batches`` (``plan``'s, those with something to update, in walk order).
+
+    ``prefetched``: the event of batch 0's copy-in when :meth:`PipelineScheduler.prefetch` issued it before the step
+    (its copies already counted in ``stats``); else batch 0 is copied in now.
+    """
+
+    def __init__(
+        self,
+        stages: Stages,
+        plan: SwapPlan,
+        batches: Sequence[PlannedBatch],
+        compute: Stream,
+        update: UpdateFn,
+        stats: SwapStats,
+        *,
+        prefetched: Event | None = None,
+    ) -> None:
+        self._stages, self._plan, self._batches = stages, plan, batches
+        self._update, self._stats = update, stats
+        self._staging = plan.staging.walk(batches, compute)
+        self._prefetched: dict[int, Event] = {}
+        self._position = 0
+        self.last_offload: Offloaded | None = None
+        """The copy-out of the last batch walked (``None`` before the first)."""
+        # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
+        self._resident_at = 1 if prefetched is not None and len(batches) > 1 else 0
+        if prefetched is not None:
+            self._prefetched[0] = prefetched
+        else:
+            self._prefetch(0)
+
+    @property
+    def done(self) -> bool:
+        """Whether every batch was updated and its copy-out issued."""
+        return self._position == len(self._batches)
+
+    @property
+    def next_batch(self) -> PlannedBatch | None:
+        """The batch :meth:`advance` updates next (``None`` when :attr:`done`)."""
+        return None if self.done else self._batches[self._position]
+
+    def advance(self) -> None:
+        """Update the next batch and issue its copy-out; the batch after it comes in while it updates, unless it
+        needs this one's memory (batches skipped between them): then it comes in once this one is copied out."""
+        position, batches, stages = self._position, self._batches, self._stages
+        batch = batches[position]
+        following = position + 1 if position + 1 < len(batches) else None
+        after_copy_out = following is not None and self._staging.needs_memory_of(following, position)
+        if following is not None and not after_copy_out:
+            self._prefetch(following)
+        resident = self._plan.resident
+        if position == self._resident_at and resident is not None:
+            stages.update_resident(resident, self._update)  # the compute stream would wait for a copy-in
+        stages.update_batch(batch, self._prefetched.pop(position), self._update)
+        self.last_offload = stages.offload_batch(batch, self._stats)
+        self._staging.copied_out(position, self.last_offload)
+        if following is not None and after_copy_out:
+            self._prefetch(following)
+        self._position += 1
+
+    def _prefetch(self, position: int) -> None:
+        reused = self._staging.before_copy_in(position)
+        self._prefetched[position] = self._stages.prefetch_batch(self._batches[position], self._stats, reused=reused)
