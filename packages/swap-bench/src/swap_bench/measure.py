@@ -10,7 +10,7 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -106,15 +106,12 @@ def measure_row(
             f"the copies alone would move {sum(map(sum, sizes))} bytes, the step {swapped.stats.h2d_bytes}"
         )
     copies_alone = _CopiesAlone(backend, sizes)
-    plain_times, swapped_times, floor_times = [], [], []
-    for _ in range(repeats):  # alternate, so drifting machine load hits all three alike
-        plain_times.append(_timed(plain.step, backend))
-        swapped_times.append(_timed(swapped.step, backend))
-        floor_times.append(_timed(copies_alone.copy, backend))
+    plain_times, swapped_times, floor_times = _alternated(
+        (plain.step, swapped.step, copies_alone.copy), backend, repeats
+    )
     copies_alone.release()
     stats = swapped.stats
     plain_s, swapped_s = statistics.median(plain_times), statistics.median(swapped_times)
-    swapped_bytes = stats.h2d_bytes
     floor_s = stats.h2d_bytes / link.h2d + stats.d2h_bytes / link.d2h
     copies_alone_s = statistics.median(floor_times)
     # Each swapped step is paired with the plain step timed just before it: load that drifts over the run
@@ -133,7 +130,7 @@ def measure_row(
         plain_step_s=plain_s,
         swapped_step_s=swapped_s,
         ratio=swapped_s / plain_s,
-        swapped_state_bytes=swapped_bytes,
+        swapped_state_bytes=stats.h2d_bytes,
         h2d_bytes=stats.h2d_bytes,
         d2h_bytes=stats.d2h_bytes,
         h2d_copies=stats.h2d_copies,
@@ -152,6 +149,15 @@ def measure_row(
         host_state_bytes=stats.host_state_bytes,
         host_pinned_bytes=stats.host_pinned_bytes,
     )
+
+
+def _alternated(steps: Sequence[Callable[[], object]], backend: DeviceBackend, repeats: int) -> list[list[float]]:
+    """Each of ``steps`` timed ``repeats`` times, in turn, so that machine load that drifts hits all of them alike."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for timings, step in zip(times, steps, strict=True):
+            timings.append(_timed(step, backend))
+    return times
 
 
 def _warmed_pair(

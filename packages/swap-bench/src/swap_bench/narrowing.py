@@ -139,7 +139,6 @@ def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingCo
     full_times, split_times, narrowed_times = _alternated_timings(
         (full_step, step_split, lambda: step_narrowed(ready)), config.repeats
     )
-    per_batch = config.batches
     return NarrowingRow(
         optimizer=spec.name,
         optimizer_class=type(full).__name__,
@@ -150,17 +149,16 @@ def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingCo
         full_step_s=statistics.median(full_times),
         split_step_s=statistics.median(split_times),
         narrowed_step_s=statistics.median(narrowed_times),
-        narrowing_per_batch_s=statistics.median(
-            (n - s) / per_batch for n, s in zip(narrowed_times, split_times, strict=True)
-        ),
-        splitting_per_batch_s=statistics.median(
-            (s - f) / per_batch for s, f in zip(split_times, full_times, strict=True)
-        ),
-        added_per_batch_s=statistics.median(
-            (n - f) / per_batch for n, f in zip(narrowed_times, full_times, strict=True)
-        ),
+        narrowing_per_batch_s=_per_batch(narrowed_times, split_times, config.batches),
+        splitting_per_batch_s=_per_batch(split_times, full_times, config.batches),
+        added_per_batch_s=_per_batch(narrowed_times, full_times, config.batches),
         bitwise_equal=_agree(full, split, narrowed, full_params, split_params, narrowed_params),
     )
+
+
+def _per_batch(slower: Sequence[float], faster: Sequence[float], batches: int) -> float:
+    """The median over the repeats of the time ``slower`` took beyond ``faster`` (paired), per batch."""
+    return statistics.median((s - f) / batches for s, f in zip(slower, faster, strict=True))
 
 
 def _alternated_timings(steps: Sequence[Callable[[], object]], repeats: int) -> list[list[float]]:
