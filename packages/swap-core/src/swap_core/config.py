@@ -10,7 +10,7 @@ from .backends.accelerator import SUPPORTED_DEVICE_TYPES
 from .backends.host_memory import HOST_MEMORY_MODES, HostMemoryMode
 from .backends.protocol import DeviceBackend
 
-__all__ = ["BACKEND_NAMES", "PREFETCH_MODES", "BackendSpec", "PrefetchMode", "SwapConfig"]
+__all__ = ["BACKEND_NAMES", "PREFETCH_MODES", "STEP_MODES", "BackendSpec", "PrefetchMode", "StepMode", "SwapConfig"]
 
 BACKEND_NAMES = ("auto", "sim", *SUPPORTED_DEVICE_TYPES)
 
@@ -19,6 +19,13 @@ PrefetchMode = Literal["off", "backward"]
 
 PREFETCH_MODES: tuple[PrefetchMode, ...] = get_args(PrefetchMode)
 """The valid values of ``SwapConfig.prefetch``."""
+
+StepMode = Literal["after_backward", "in_backward"]
+"""When the batches update: all in ``step()`` after the backward, or each inside the backward once its gradients
+are final."""
+
+STEP_MODES: tuple[StepMode, ...] = get_args(StepMode)
+"""The valid values of ``SwapConfig.step``."""
 
 BackendSpec = str | DeviceBackend
 
@@ -89,6 +96,12 @@ class SwapConfig:
     is final (``opt.prefetch()`` from post-accumulate-grad hooks), and batches are walked in the order a backward
     finalizes gradients (the last parameters first); ``"off"``: only an explicit ``opt.prefetch()`` starts it."""
 
+    step: StepMode = "after_backward"
+    """``"in_backward"``: each batch updates inside the backward, from post-accumulate-grad hooks, as soon as every
+    gradient of its parameters is final, so its copies run under the rest of the backward; ``step()`` then updates
+    what remains and checks that no applied gradient was edited since (docs/step-in-backward.md). The batches are
+    walked in the order a backward finalizes gradients. ``"after_backward"``: every batch updates in ``step()``."""
+
     host_memory: HostMemoryMode = "exact"
     """``"exact"``: host buffers pinned at their size, to the page (CUDA registers them with the driver; elsewhere
     the caching path, with a warning); ``"caching"``: torch's pinned allocator, which rounds up to a power of two."""
@@ -117,10 +130,33 @@ class SwapConfig:
         _validate_backend(self.backend)
         if self.prefetch not in PREFETCH_MODES:
             raise ValueError(f"Invalid SwapConfig.prefetch: {self.prefetch!r}; expected one of {PREFETCH_MODES}")
+        if self.step not in STEP_MODES:
+            raise ValueError(f"Invalid SwapConfig.step: {self.step!r}; expected one of {STEP_MODES}")
+        if self.step == "in_backward":
+            self._check_in_backward()
         if self.host_memory not in HOST_MEMORY_MODES:
             raise ValueError(
                 f"Invalid SwapConfig.host_memory: {self.host_memory!r}; expected one of {HOST_MEMORY_MODES}"
             )
+
+    @property
+    def walks_in_backward_order(self) -> bool:
+        """Whether the batches are walked in the order a backward finalizes gradients (the last parameters first)."""
+        return self.prefetch == "backward" or self.step == "in_backward"
+
+    def _check_in_backward(self) -> None:
+        """Refuse what ``step="in_backward"`` does not support yet, naming the setting to change."""
+        unsupported = {
+            "prefetch": (self.prefetch != "off", "it copies each batch in from the backward itself"),
+            "swap_times": (self.swap_times == "auto", "give a batch count"),
+            "trace": (self.trace, "trace a step with step='after_backward'"),
+            "undo_failed_steps": (self.undo_failed_steps, "a failed in-backward update cannot be undone yet"),
+        }
+        for name, (refused, why) in unsupported.items():
+            if refused:
+                raise ValueError(
+                    f"SwapConfig(step='in_backward') does not support {name}={getattr(self, name)!r} yet: {why}"
+                )
 
     def replace(self, **overrides: object) -> SwapConfig:
         """A copy with ``overrides`` applied and validated; unknown names raise ``TypeError``."""

@@ -69,8 +69,9 @@ class PlanCache:
             max_batch_bytes=config.max_batch_bytes,
             costs=costs,
             state=sync.state,
-            resident_first=not rank_independent,
-            reverse=config.prefetch == "backward",
+            # Inside the backward every parameter updates with its batch, once its gradient is final.
+            resident_first=not rank_independent and config.step != "in_backward",
+            reverse=config.walks_in_backward_order,
         )
         if self.auto is not None:
             count = self._auto_count(self.auto, params, partition, rank_independent=rank_independent)

@@ -121,7 +121,7 @@ class StatesMadeByTheUpdate:
             return None
         sync = self.sync
         sync.check_room_for_states_the_update_creates(params_with_grad())
-        return set(map(id, sync.state)) if sync.config.prefetch == "backward" else None
+        return set(map(id, sync.state)) if sync.config.walks_in_backward_order else None
 
     def fresh(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
         """The parameters of a batch segment whose states its update is about to make."""

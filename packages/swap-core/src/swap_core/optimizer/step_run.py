@@ -17,6 +17,7 @@ from ..runtime.slots import SwapSlot
 from ..runtime.state_keys import is_fresh
 from ..runtime.step_journal import StepJournal, note_partial_step
 from ..stats import SwapStats
+from ..torch_compat import tensor_version
 from ..trace import StepTrace
 from .plan_cache import PlanCache
 from .state_sync import NO_ENTRY, StateSync
@@ -43,11 +44,15 @@ class StepRun:
         self.batches_updated = 0
         self._every_param_ready = False
         self._journal: StepJournal | None = None
+        self._ordered: list[torch.Tensor] = []
+        self._applied: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        """Inside the backward: each parameter a batch updated, with the gradient it used and that one's version."""
 
     def release(self) -> None:
         """Drop the step's references to gradients and saved values (``zero_grad(set_to_none=True)`` frees them)."""
         self.grads = []
         self._journal = None
+        self._applied = {}
 
     def run(self, stats: SwapStats, trace: StepTrace | None) -> SwapPlan:
         """The step's work (inside the scheduler's ``working()``): follow the user's edits, read the gradients, make
@@ -150,6 +155,46 @@ class StepRun:
             # creates its own (one batch of fresh states on the device at a time).
             sync.offload_existing_states(fresh, unpacked=True)
             sync.changed()  # the batches are bound to the entries of state that existed before
+
+    # -- a step inside the backward -------------------------------------------------------
+    def begin_in_backward(self) -> None:
+        """The start of a step whose batches update inside the backward (``SwapConfig(step="in_backward")``): no
+        gradient is read yet, each batch reads its own once they are final (:meth:`update_in_backward`)."""
+        self._ordered = self.sync.ordered_params()
+        self.grads = [None] * len(self._ordered)
+
+    def update_in_backward(self, batch: PlannedBatch) -> None:
+        """:meth:`update` of a batch whose gradients are final: they are read now, and noted so that the end of the
+        step can tell whether one was edited after it was applied (:meth:`edited_gradients`)."""
+        ordered, grads = self._ordered, self.grads
+        adopt = self.sync.backend.adopt
+        for _, _, _, where in batch.segments:
+            for position in range(len(grads))[where] if isinstance(where, slice) else where:
+                grad = ordered[position].grad
+                grads[position] = grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        f"Parameter {tuple(ordered[position].shape)} has a sparse gradient; swapping supports dense "
+                        "gradients only"
+                    )
+                adopt(grad if type(grad) is torch.Tensor else local_tensor(grad))
+                param = ordered[position]
+                self._applied[id(param)] = (param, grad, tensor_version(grad))
+        self.update(batch)
+
+    def applied(self, param: torch.Tensor) -> bool:
+        """Whether a batch of this step updated ``param`` with its gradient already."""
+        return id(param) in self._applied
+
+    def edited_gradients(self) -> list[torch.Tensor]:
+        """The parameters whose gradient was replaced or written in place since its batch updated with it."""
+        return [
+            param
+            for param, grad, version in self._applied.values()
+            if param.grad is not grad or tensor_version(grad) != version
+        ]
 
     # -- a failed step ------------------------------------------------------------------
     def _step_journal(self) -> StepJournal | None:

@@ -36,6 +36,7 @@ from ..torch_compat import (
     step_hooks_silenced,
 )
 from ..trace import StepTrace
+from .in_backward import check_in_backward_supported
 from .loading import load_state_dict
 from .outside_step import check_outside_step_methods, offer_outside_step_methods
 from .swapping import Swapping
@@ -103,6 +104,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             config.backend, ordered_params(optimizer.param_groups), master_weights=config.master_weights
         )
         check_wrapped_state(optimizer, self.adapter, config, self.backend)
+        if config.step == "in_backward" and self.backend is not None:
+            check_in_backward_supported(self.adapter, ordered_params(optimizer.param_groups))
         self.stats = SwapStats()
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
@@ -266,6 +269,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         """
         if self._swapping is not None:
             self._swapping.prefetching.prefetch()
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        """For gradient accumulation with ``SwapConfig(step="in_backward")``: run the backwards of the micro-batches
+        before the last one inside ``with opt.accumulating():``, so that their gradient hooks update nothing; the
+        last backward, outside it, updates the batches. Nothing to do in the other mode (and with CPU parameters)."""
+        if self._swapping is None or self._swapping.in_backward is None:
+            return contextlib.nullcontext()
+        return self._swapping.in_backward.accumulating()
 
     @property
     def prefetched(self) -> bool:

@@ -17,6 +17,7 @@ from ..runtime.plan import SwapPlan
 from ..stats import SwapStats
 from ..trace import StepTrace
 from .auto_batching import AutoBatching
+from .in_backward import InBackwardStep
 from .loading import STATES_BEFORE_WRAPPING, make_masters_of_existing_states
 from .plan_cache import PlanCache
 from .prefetching import Prefetching
@@ -36,6 +37,8 @@ class Swapping:
     prefetching: Prefetching
     update: Callable[[UpdateBatch], None]
     """The update of one batch segment: the adapter's, or the adapter's on fp32 masters (chosen once)."""
+    in_backward: InBackwardStep | None
+    """With ``SwapConfig(step="in_backward")``: the gradient hooks that update batches inside the backward."""
 
     @classmethod
     def start(
@@ -57,7 +60,9 @@ class Swapping:
         if config.master_weights:
             make_masters_of_existing_states(sync, STATES_BEFORE_WRAPPING)
         prefetching = Prefetching(owner, sync, plans, from_backward=config.prefetch == "backward")
-        return cls(sync, plans, prefetching, update_on_masters(adapter) if config.master_weights else _update(adapter))
+        update = update_on_masters(adapter) if config.master_weights else _update(adapter)
+        in_backward = InBackwardStep(owner, sync, plans, update) if config.step == "in_backward" else None
+        return cls(sync, plans, prefetching, update, in_backward)
 
     @property
     def scheduler(self) -> PipelineScheduler:
@@ -67,7 +72,11 @@ class Swapping:
         """One step on the batches, then the backward's prefetch armed for the next one; the step's stats, timeline
         (with ``trace``) and the plan it ran."""
         with self.scheduler.working():  # reads of the state here wait for nothing
-            stats, timeline, plan = self._attempt(trace=trace, retry=True)
+            began = self.in_backward.finish(self.sync.config.keep_staging) if self.in_backward is not None else None
+            if began is not None:  # its batches updated inside the backward; the rest did now
+                (stats, plan), timeline = began, None
+            else:
+                stats, timeline, plan = self._attempt(trace=trace, retry=True)
             self.prefetching.arm(after_step=True)
             self.sync.empty_host_cache_after_relayout()
         return stats, timeline, plan

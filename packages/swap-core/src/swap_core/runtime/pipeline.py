@@ -41,6 +41,7 @@ import torch
 
 from ..backends.protocol import DeviceBackend, Event, Stream
 from ..errors import SwapStateError
+from ..nesting import NestedFlag
 from ..stats import SwapStats
 from ..torch_compat import profiler_enabled
 from ..trace import StepTrace, TraceInterval
@@ -77,7 +78,9 @@ class PipelineScheduler:
         self._stranded_plan: SwapPlan | None = None
         self._timeline: _Timeline | None = None
         self._early: _EarlyPrefetch | None = None
-        self._working = 0
+        self._working = NestedFlag()
+        self._walking = False
+        """A walk begun by :meth:`begin_walk` (inside a backward) awaits :meth:`end_walk`."""
 
     def prefetch(self, plan: SwapPlan) -> None:
         """Start ``plan``'s first copy-in now, before the step that runs ``plan`` (nothing if one is pending).
@@ -85,7 +88,7 @@ class PipelineScheduler:
         The step then waits for it instead of issuing it; a step that runs another plan (the state or
         the param groups changed meanwhile) first drops it. If an enqueue fails, nothing is pending.
         """
-        if self._early is not None or not plan.batches:
+        if self._early is not None or not plan.batches or self._walking:
             return
         self.compute = self.backend.compute_stream()
         self._settle()
@@ -131,6 +134,38 @@ class PipelineScheduler:
             self.update_resident(plan.resident, update)
         self._finish_trace(trace)
 
+    def begin_walk(self, plan: SwapPlan, update: UpdateFn, stats: SwapStats) -> BatchWalk:
+        """Start a step whose caller advances the walk itself, batch by batch (:meth:`advance_walk`: every batch of
+        ``plan``, in order, ``plan.resident`` not used) and finishes it with :meth:`end_walk`; batch 0 starts its
+        copy-in now (a pending :meth:`prefetch` is dropped)."""
+        self.compute = self.backend.compute_stream()
+        self._timeline = None
+        self.discard_prefetch()
+        self._settle()
+        plan.staging.acquire()
+        with self._recover_on_error(plan):
+            walk = BatchWalk(self, plan, plan.batches, self.compute, update, stats)
+        self._walking = True
+        return walk
+
+    def advance_walk(self, plan: SwapPlan, walk: BatchWalk) -> None:
+        """Update ``walk``'s next batch on the stream the walk began on, whatever stream the caller runs under (a
+        gradient hook may run under another)."""
+        with self._recover_on_error(plan), self.backend.stream(self.compute):
+            walk.advance()
+
+    def end_walk(self, plan: SwapPlan, walk: BatchWalk, stats: SwapStats, *, keep_staging: bool) -> None:
+        """The batches ``walk`` has left, then the end of the step (as :meth:`run` ends it)."""
+        self._walking = False
+        with self._recover_on_error(plan), self.backend.stream(self.compute):
+            while not walk.done:
+                walk.advance()
+            assert walk.last_offload is not None, "a walk has batches"
+            self._last_offload = walk.last_offload.done
+            self._in_flight = plan
+            self._free_last_staging(plan, plan.batches, keep_staging=keep_staging)
+        stats.batches = len(plan.batches)
+
     def _walk(
         self,
         plan: SwapPlan,
@@ -166,27 +201,25 @@ class PipelineScheduler:
         """Whether a :meth:`prefetch` is pending (the next step's first copy-in is issued)."""
         return self._early is not None
 
-    @contextlib.contextmanager
-    def working(self) -> Iterator[None]:
+    def working(self) -> contextlib.AbstractContextManager[None]:
         """The optimizer's own work (a step, a prefetch): its reads of the state need no :meth:`settle_for_host`."""
-        self._working += 1
-        try:
-            yield
-        finally:
-            self._working -= 1
+        return self._working.raised()
 
     def settle_for_host(self) -> None:
         """Outside the optimizer's own work, the host is about to read or write host mirrors (a user reads
         ``opt.state``): the copies in flight finish first, and a pending prefetch, which copied the mirrors as they
         were, is dropped (the step copies them again). Nothing happens when nothing is in flight."""
         if self._working or (self._last_offload is None and self._early is None and self._stranded_plan is None):
+            self._refuse_while_walking()
             return
         self.synchronize()
         self.discard_prefetch()
 
     def synchronize(self) -> None:
         """Block until every offload (and a pending prefetch's copy-in) finished, so host mirrors may be read
-        and written."""
+        and written. Refused while a walk begun by :meth:`begin_walk` awaits its end, outside the optimizer's
+        own work: its batches are half updated."""
+        self._refuse_while_walking()
         if self._early is not None:
             self._early.event.synchronize()
         self._retry_stranded(final=True)
@@ -195,6 +228,13 @@ class PipelineScheduler:
             self._last_offload = None
         self._in_flight = None
         self._finish_offloads()
+
+    def _refuse_while_walking(self) -> None:
+        if self._walking and not self._working:
+            raise SwapStateError(
+                "The optimizer's states are being updated inside the backward (SwapConfig(step='in_backward')), some "
+                "batches already stepped: call step() before reading, saving or editing them"
+            )
 
     # -- the three moves ------------------------------------------------------
     def prefetch_batch(self, batch: PlannedBatch, stats: SwapStats, *, reused: Offloaded | None = None) -> Event:
@@ -313,8 +353,9 @@ class PipelineScheduler:
 
         Slots on the device hold the only current values (their update may have
         run, fully or partly): they are offloaded. Prefetched slots whose update
-        never started still have valid host mirrors and are dropped.
+        never started still have valid host mirrors and are dropped. A walk begun by :meth:`begin_walk` ends here.
         """
+        self._walking = False
         self._stranded = [b for b in plan.batches if b.slots and b.slots[0].state is SlotState.DEVICE]
         self._stranded_plan = plan
         self._retry_stranded(final=False)

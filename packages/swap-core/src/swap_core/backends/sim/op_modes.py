@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
+from swap_core.nesting import NestedFlag
 from swap_core.torch_compat import OpOverload, TorchDispatchMode
 
 __all__ = ["ProgramOpMode"]
@@ -16,16 +17,11 @@ class ProgramOpMode(TorchDispatchMode, abc.ABC):  # type: ignore[no-untyped-call
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._paused = 0
+        self._paused = NestedFlag()
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """Let the simulator's own copies and fills through (they are accounted for already)."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
+        return self._paused.raised()
 
     def __torch_dispatch__(
         self,
@@ -35,7 +31,7 @@ class ProgramOpMode(TorchDispatchMode, abc.ABC):  # type: ignore[no-untyped-call
         kwargs: Mapping[str, object] | None = None,
     ) -> object:
         kwargs = kwargs or {}
-        if self._paused:
+        if self._paused.depth:
             return func(*args, **kwargs)
         return self.run_op(func, args, kwargs)
 

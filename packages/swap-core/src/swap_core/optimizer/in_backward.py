@@ -1,0 +1,201 @@
+"""``SwapConfig(step="in_backward")``: each batch updates inside the backward, as soon as its gradients are final.
+
+The contract, in one place:
+
+- A post-accumulate-grad hook on every parameter marks its gradient final. The plan walks its batches in the order
+  a backward finalizes gradients (the last parameters first); when every parameter of the walk's next batch that
+  takes a gradient has a final one, the batch is copied in (the one after it too), updated and copied out, inside
+  the hook, on the stream the step began on. The rest of the backward runs meanwhile.
+- ``step()`` updates the batches still left (a parameter that got no gradient is skipped, as torch skips it), ends
+  the step as a plain ``step()`` would (step counters, stats, the LR schedulers' bookkeeping), and then checks every
+  gradient a batch used: one replaced or written in place since (``clip_grad_norm_`` or ``GradScaler.unscale_``
+  after the backward) raises :class:`~swap_core.errors.SwapStateError` naming it. The update it made cannot be taken
+  back: edit gradients only with ``step="after_backward"``.
+- Gradient accumulation: the backwards of the micro-batches before the last run inside ``opt.accumulating()``, where
+  the hooks update nothing. A backward outside it that reaches a gradient whose batch already updated raises from
+  the hook (the backward stops there).
+- The first step, which creates the states, runs after the backward; so does a step after anything that changed the
+  state or the param groups since the last one (a load, an edit, a new group): the hooks start a step only over the
+  plan the last step ran, with every state there.
+- The hooks hold the optimizer weakly and go when it is garbage collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ..adapters.base import StateSwapAdapter, UpdateBatch
+from ..errors import SwapStateError
+from ..nesting import NestedFlag
+from ..runtime.batch_walk import BatchWalk
+from ..runtime.dtensor import shard_layout
+from ..runtime.plan import SwapPlan
+from ..stats import SwapStats
+from .plan_cache import PlanCache
+from .state_sync import StateSync
+from .step_run import StepRun
+
+__all__ = ["InBackwardStep", "check_in_backward_supported"]
+
+
+def check_in_backward_supported(adapter: StateSwapAdapter, params: list[torch.Tensor]) -> None:
+    """Refuse, before anything changes, what ``step="in_backward"`` does not support yet, naming the way out."""
+    if any(shard_layout(param) is not None for param in params):
+        raise ValueError(
+            "SwapConfig(step='in_backward') does not support DTensor (FSDP2) parameters yet; use step='after_backward'"
+        )
+    if adapter.partition_costs(params) is not None:
+        raise ValueError(
+            f"SwapConfig(step='in_backward') cannot run {type(adapter).__name__}: every rank walks all its batches "
+            "together (a distributed family), so no batch can update on its own inside the backward; use "
+            "step='after_backward'"
+        )
+
+
+class _Started:
+    """A step begun inside the backward: its run, its walk over the plan, and the adapter's step scope."""
+
+    def __init__(self, run: StepRun, plan: SwapPlan, walk: BatchWalk, stats: SwapStats, scope: contextlib.ExitStack):
+        self.run, self.plan, self.walk, self.stats, self.scope = run, plan, walk, stats, scope
+
+
+class InBackwardStep:
+    """The gradient hooks of ``SwapConfig(step="in_backward")`` and the step they begin (see the module)."""
+
+    def __init__(self, owner: object, sync: StateSync, plans: PlanCache, update: Callable[[UpdateBatch], None]) -> None:
+        """The hooks go when ``owner`` (the optimizer) is collected."""
+        self._sync, self._plans, self._update = sync, plans, update
+        self._final: set[int] = set()
+        self._started: _Started | None = None
+        self._accumulating = NestedFlag()
+        self._hooks: list[RemovableHandle] = []
+        self._hooked: set[int] = set()
+        self.hook_params(sync.ordered_params())
+        weakref.finalize(owner, InBackwardStep.remove_hooks, self)
+
+    def hook_params(self, params: list[torch.Tensor]) -> None:
+        """A post-accumulate-grad hook on each of ``params`` that takes a gradient (the others are never waited for)."""
+        self.remove_hooks()
+        self._hooked = {id(param) for param in params}
+        this = weakref.ref(self)
+        for param in params:
+            if param.requires_grad and param.is_leaf:
+                hook = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    lambda param, this=this: _gradient_final(this, param)
+                )
+                self._hooks.append(hook)
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        """The backwards inside update nothing (micro-batches before the last one of an accumulated step)."""
+        return self._accumulating.raised()
+
+    @property
+    def started(self) -> bool:
+        """Whether a step began inside the backward and awaits ``step()``."""
+        return self._started is not None
+
+    def gradient_final(self, param: torch.Tensor) -> None:
+        """A gradient is final: update the batches it completes (begin the step at the first)."""
+        if self._accumulating:
+            return
+        started = self._started
+        if started is not None and started.run.applied(param):
+            raise SwapStateError(
+                f"A backward accumulated into the gradient of a parameter of shape {tuple(param.shape)} after its "
+                "batch was updated with it (SwapConfig(step='in_backward')): run the backwards of the micro-batches "
+                "before the last one inside `with opt.accumulating():`, or call step() after each backward"
+            )
+        self._final.add(id(param))
+        if started is None:
+            started = self._begin()
+            if started is None:
+                return
+        walk, scheduler = started.walk, self._sync.scheduler
+        with scheduler.working(), torch.no_grad():  # a backward with create_graph=True records its ops
+            while (batch := walk.next_batch) is not None and self._ready(batch.params):
+                try:
+                    scheduler.advance_walk(started.plan, walk)
+                except BaseException:
+                    self._abandon()
+                    raise
+
+    def finish(self, keep_staging: bool) -> tuple[SwapStats, SwapPlan] | None:
+        """``step()`` after a step began inside the backward: the batches left, then the check of the gradients
+        used; ``None`` when no step began (``step()`` then runs as after a backward)."""
+        started, self._started = self._started, None
+        self._final = set()
+        if started is None:
+            return None
+        sync = self._sync
+        try:
+            sync.scheduler.end_walk(started.plan, started.walk, started.stats, keep_staging=keep_staging)
+            edited = started.run.edited_gradients()
+        finally:
+            started.scope.close()
+            started.run.release()
+        if {id(param) for param in sync.ordered_params()} != self._hooked:
+            self.hook_params(sync.ordered_params())  # a group added or params replaced: hooks on the new ones
+        if edited:
+            raise SwapStateError(
+                f"{len(edited)} gradient(s) changed after their batch updated inside the backward (e.g. the first "
+                f"of shape {tuple(edited[0].shape)}): clip_grad_norm_, GradScaler or any edit of the gradients "
+                "between backward() and step() comes too late with SwapConfig(step='in_backward'), and those "
+                "updates used the gradients as the backward left them. Edit gradients with step='after_backward'"
+            )
+        return started.stats, started.plan
+
+    def _ready(self, params: list[tuple[int, torch.Tensor]]) -> bool:
+        final = self._final
+        return all(id(param) in final for _, param in params if param.requires_grad)
+
+    def _begin(self) -> _Started | None:
+        """Begin the step over the plan the last step ran, if it is still current and has every state."""
+        sync, plans = self._sync, self._plans
+        with sync.scheduler.working():
+            try:
+                sync.follow_edits(sync.ordered_params())
+            except Exception:  # a refused edit: step() raises it, after the backward
+                return None
+            if not plans.states_complete():
+                return None
+        scope = contextlib.ExitStack()
+        try:
+            with sync.scheduler.working():
+                plan = plans.current()
+                if not plan.batches:
+                    return None
+                run = StepRun(sync, plans, self._update)
+                run.begin_in_backward()
+                scope.enter_context(sync.adapter.step_scope())
+                stats = SwapStats()
+                sync.backend.start_transfer_window()
+                walk = sync.scheduler.begin_walk(plan, run.update_in_backward, stats)
+        except BaseException:
+            scope.close()
+            raise
+        self._started = _Started(run, plan, walk, stats, scope)
+        return self._started
+
+    def _abandon(self) -> None:
+        """A batch failed inside the backward: the step ends there (the pipeline made the host mirrors current)."""
+        started, self._started = self._started, None
+        self._final = set()
+        if started is not None:
+            started.scope.close()
+            started.run.release()
+
+
+def _gradient_final(this: weakref.ref[InBackwardStep], param: torch.Tensor) -> None:
+    step = this()
+    if step is not None:
+        step.gradient_final(param)

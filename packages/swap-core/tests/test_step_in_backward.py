@@ -1,0 +1,219 @@
+"""``SwapConfig(step="in_backward")``: batches update inside the backward, bitwise the plain optimizer after it.
+
+The simulator's copy counts tell when the batches moved: after ``backward()`` and before ``step()``, a step that
+began inside the backward has copied its batches in already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.errors import SwapStateError
+from swap_core.sim import SIM_MODES, SimBackend, SimMode
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+from swap_core.testing.masters import MasterReference
+
+STEPS = 5
+
+
+def _model(*, unused_layer: bool = False) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers = [
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 16),
+    ]
+    if unused_layer:
+        layers.append(torch.nn.Linear(16, 16))  # never in the forward: never a gradient
+    return torch.nn.Sequential(*layers)
+
+
+def _forward(model: torch.nn.Sequential, inputs: torch.Tensor, *, unused_layer: bool = False) -> torch.Tensor:
+    layers = list(model)[:-1] if unused_layer else list(model)
+    for layer in layers:
+        inputs = layer(inputs)
+    return inputs.square().mean()
+
+
+def _inputs(step: int, micro_batch: int = 0) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + micro_batch))
+
+
+def _rmsprop(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return _rmsprop_of(list(model.parameters()))
+
+
+def _in_backward(model: torch.nn.Module, sim: SimBackend, **options: object) -> SwapOptimizer:
+    config = SwapConfig(backend=sim, swap_times=3, min_numel=32, step="in_backward", **options)  # type: ignore[arg-type]
+    return swap_optimizer(_rmsprop(model), config)
+
+
+def _assert_same(
+    plain: torch.nn.Module, swapped: torch.nn.Module, plain_opt: torch.optim.Optimizer, opt: SwapOptimizer, where: str
+) -> None:
+    for (name, expected), actual in zip(plain.named_parameters(), swapped.parameters(), strict=True):
+        assert_bitwise_equal(expected, actual, f"{where}: {name}")
+    assert_state_dicts_equal(plain_opt.state_dict(), opt.state_dict(), f"{where}: optimizer")
+
+
+def _schedules() -> Iterator[tuple[SimMode, int]]:
+    for mode in SIM_MODES:
+        yield from ((mode, seed) for seed in ((0, 1) if mode == "random" else (0,)))
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize(("mode", "seed"), list(_schedules()))
+def test_batches_update_inside_the_backward_bitwise_the_plain_optimizer_after_it(
+    mode: SimMode, seed: int, packed: bool
+) -> None:
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model)
+    sim = SimBackend(mode=mode, seed=seed)
+    optimizer = _in_backward(model, sim, packed=packed)
+    for step in range(STEPS):
+        _forward(plain_model, _inputs(step)).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        copies_before = sim.copy_stats.h2d_copies
+        _forward(model, _inputs(step)).backward()
+        moved_in_backward = sim.copy_stats.h2d_copies - copies_before
+        # The first step makes the states: it runs after the backward. Every later one copies all its batches in
+        # during the backward (the first batch's gradients are final before the last layer's are not needed).
+        assert (moved_in_backward > 0) == (step > 0), (step, moved_in_backward)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"{mode} {seed} step {step}")
+        assert optimizer.stats.batches == 3
+
+
+def test_accumulated_micro_batches_update_once_in_the_last_backward() -> None:
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model)
+    sim = SimBackend(mode="random", seed=2)
+    optimizer = _in_backward(model, sim)
+    for step in range(STEPS):
+        for micro_batch in range(3):
+            _forward(plain_model, _inputs(step, micro_batch)).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        with optimizer.accumulating():
+            for micro_batch in range(2):
+                copies_before = sim.copy_stats.h2d_copies
+                _forward(model, _inputs(step, micro_batch)).backward()
+                assert sim.copy_stats.h2d_copies == copies_before, "a micro-batch before the last updated nothing"
+        _forward(model, _inputs(step, 2)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+
+
+def test_a_second_backward_without_accumulating_is_refused_naming_the_fix() -> None:
+    model = _model()
+    optimizer = _in_backward(model, SimBackend())
+    _forward(model, _inputs(0)).backward()
+    optimizer.step()
+    _forward(model, _inputs(1)).backward()  # updates the batches inside the backward
+    with pytest.raises(SwapStateError, match=r"after its batch was updated with it .* `with opt\.accumulating\(\):`"):
+        _forward(model, _inputs(2)).backward()
+
+
+def test_a_gradient_clipped_after_the_backward_is_refused_at_step() -> None:
+    """The update used the gradients as the backward left them: clipping afterwards cannot reach it, and step()
+    says so instead of letting the loop believe it clipped."""
+    model = _model()
+    optimizer = _in_backward(model, SimBackend())
+    _forward(model, _inputs(0)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _forward(model, _inputs(1)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    with pytest.raises(
+        SwapStateError, match=r"changed after their batch updated inside the backward .* clip_grad_norm_"
+    ):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _forward(model, _inputs(2)).backward()  # the next iteration runs
+    optimizer.step()
+
+
+def test_the_state_is_refused_between_a_backward_that_updated_batches_and_step() -> None:
+    """Some batches already stepped: a checkpoint or a read then would mix two steps. Refused, and the step then
+    ends as if nothing happened."""
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model)
+    optimizer = _in_backward(model, SimBackend(mode="lazy"))
+    for step in range(3):
+        _forward(plain_model, _inputs(step)).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        _forward(model, _inputs(step)).backward()
+        if step > 0:
+            first = next(iter(model.parameters()))
+            with pytest.raises(SwapStateError, match=r"being updated inside the backward .* call step\(\) before"):
+                optimizer.state[first]
+            with pytest.raises(SwapStateError, match=r"call step\(\) before reading, saving or editing them"):
+                optimizer.state_dict()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+
+
+def test_a_parameter_without_gradient_is_skipped_as_torch_skips_it() -> None:
+    plain_model, model = _model(unused_layer=True), _model(unused_layer=True)
+    plain = _rmsprop(plain_model)
+    optimizer = _in_backward(model, SimBackend(mode="random", seed=4))
+    for step in range(STEPS):
+        _forward(plain_model, _inputs(step), unused_layer=True).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        _forward(model, _inputs(step), unused_layer=True).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+    assert model[-1].weight not in optimizer.state
+
+
+def test_master_weights_update_inside_the_backward_bitwise_the_plain_optimizer_over_fp32_masters() -> None:
+    reference_model, model = _model().to(torch.bfloat16), _model().to(torch.bfloat16)
+    reference = MasterReference(list(reference_model.parameters()), _rmsprop_of)
+    sim = SimBackend(mode="random", seed=5)
+    optimizer = _in_backward(model, sim, master_weights=True)
+    for step in range(STEPS):
+        _forward(reference_model, _inputs(step).to(torch.bfloat16)).backward()
+        reference.step()
+        reference_model.zero_grad(set_to_none=True)
+        copies_before = sim.copy_stats.h2d_copies
+        _forward(model, _inputs(step).to(torch.bfloat16)).backward()
+        assert (sim.copy_stats.h2d_copies > copies_before) == (step > 0), step
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference.assert_matches(optimizer, list(model.parameters()), f"step {step}")
+
+
+def _rmsprop_of(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.RMSprop(params, lr=1e-2, momentum=0.9, weight_decay=0.01)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"prefetch": "backward"}, r"does not support prefetch='backward' yet: it copies each batch in"),
+        ({"swap_times": "auto"}, r"does not support swap_times='auto' yet"),
+        ({"trace": True}, r"does not support trace=True yet"),
+        ({"undo_failed_steps": True}, r"does not support undo_failed_steps=True yet"),
+    ],
+)
+def test_what_the_mode_does_not_support_yet_is_refused_naming_it(option: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SwapConfig(step="in_backward", **option)  # type: ignore[arg-type]
+
+
+def test_an_unknown_step_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"Invalid SwapConfig.step: 'during'; expected one of"):
+        SwapConfig(step="during")  # type: ignore[arg-type]
