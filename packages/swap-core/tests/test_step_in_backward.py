@@ -6,6 +6,7 @@ began inside the backward has copied its batches in already.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -164,19 +165,29 @@ def test_the_state_is_refused_between_a_backward_that_updated_batches_and_step()
         _assert_same(plain_model, model, plain, optimizer, f"step {step}")
 
 
-def test_a_parameter_without_gradient_is_skipped_as_torch_skips_it() -> None:
+def test_a_parameter_without_gradient_is_skipped_as_torch_skips_it_and_keeps_the_steps_after_the_backward() -> None:
+    """Without a state (it never had a gradient) the batches cannot update inside the backward: the steps run after
+    it, bitwise, and a warning says why once."""
     plain_model, model = _model(unused_layer=True), _model(unused_layer=True)
     plain = _rmsprop(plain_model)
-    optimizer = _in_backward(model, SimBackend(mode="random", seed=4))
-    for step in range(STEPS):
-        _forward(plain_model, _inputs(step), unused_layer=True).backward()
-        plain.step()
-        plain.zero_grad(set_to_none=True)
-        _forward(model, _inputs(step), unused_layer=True).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+    sim = SimBackend(mode="random", seed=4)
+    optimizer = _in_backward(model, sim)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            _forward(plain_model, _inputs(step), unused_layer=True).backward()
+            plain.step()
+            plain.zero_grad(set_to_none=True)
+            copies_before = sim.copy_stats.h2d_copies
+            _forward(model, _inputs(step), unused_layer=True).backward()
+            assert sim.copy_stats.h2d_copies == copies_before, "no batch moved inside the backward"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _assert_same(plain_model, model, plain, optimizer, f"step {step}")
     assert model[-1].weight not in optimizer.state
+    messages = [str(warning.message) for warning in caught if "have no optimizer state yet" in str(warning.message)]
+    assert len(messages) == 1 and "2 parameter(s)" in messages[0] and "(16, 16)" in messages[0], messages
+    assert all(warning.filename == __file__ for warning in caught if "no optimizer state" in str(warning.message))
 
 
 def test_master_weights_update_inside_the_backward_bitwise_the_plain_optimizer_over_fp32_masters() -> None:

@@ -36,6 +36,7 @@ from ..runtime.batch_walk import BatchWalk
 from ..runtime.dtensor import shard_layout
 from ..runtime.plan import SwapPlan
 from ..stats import SwapStats
+from ..user_warnings import warn_user
 from .plan_cache import PlanCache
 from .state_sync import StateSync
 from .step_run import StepRun
@@ -75,6 +76,9 @@ class InBackwardStep:
         self._accumulating = NestedFlag()
         self._hooks: list[RemovableHandle] = []
         self._hooked: set[int] = set()
+        self._gave_up = False
+        """No step can begin in this backward (tried at its first hook): the rest of it tries no more."""
+        self._warned = False
         self.hook_params(sync.ordered_params())
         weakref.finalize(owner, InBackwardStep.remove_hooks, self)
 
@@ -117,8 +121,11 @@ class InBackwardStep:
             )
         self._final.add(id(param))
         if started is None:
+            if self._gave_up:
+                return
             started = self._begin()
             if started is None:
+                self._gave_up = True
                 return
         walk, scheduler = started.walk, self._sync.scheduler
         with scheduler.working(), torch.no_grad():  # a backward with create_graph=True records its ops
@@ -133,8 +140,9 @@ class InBackwardStep:
         """``step()`` after a step began inside the backward: the batches left, then the check of the gradients
         used; ``None`` when no step began (``step()`` then runs as after a backward)."""
         started, self._started = self._started, None
-        self._final = set()
+        self._final, self._gave_up = set(), False
         if started is None:
+            self._warn_of_stateless_params()
             return None
         sync = self._sync
         try:
@@ -153,6 +161,22 @@ class InBackwardStep:
                 "updates used the gradients as the backward left them. Edit gradients with step='after_backward'"
             )
         return started.stats, started.plan
+
+    def _warn_of_stateless_params(self) -> None:
+        """Once: the steps run after the backward while some parameters have no state (never a gradient)."""
+        sync = self._sync
+        if self._warned or not sync.state:
+            return
+        stateless = [param for param in sync.ordered_params() if param.requires_grad and not sync.state.get(param)]
+        if stateless:
+            self._warned = True
+            warn_user(
+                f"SwapConfig(step='in_backward'): {len(stateless)} parameter(s) have no optimizer state yet (they "
+                f"never had a gradient; the first of shape {tuple(stateless[0].shape)}), so the steps run after the "
+                "backward until every parameter has one; parameters that never take a gradient should not require "
+                "one (requires_grad_(False)) or be left out of the optimizer",
+                UserWarning,
+            )
 
     def _ready(self, params: list[tuple[int, torch.Tensor]]) -> bool:
         final = self._final
