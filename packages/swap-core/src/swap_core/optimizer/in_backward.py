@@ -23,6 +23,7 @@ The contract, in one place:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable
 
@@ -58,11 +59,15 @@ def check_in_backward_supported(adapter: StateSwapAdapter, params: list[torch.Te
         )
 
 
+@dataclasses.dataclass(frozen=True)
 class _Started:
     """A step begun inside the backward: its run, its walk over the plan, and the adapter's step scope."""
 
-    def __init__(self, run: StepRun, plan: SwapPlan, walk: BatchWalk, stats: SwapStats, scope: contextlib.ExitStack):
-        self.run, self.plan, self.walk, self.stats, self.scope = run, plan, walk, stats, scope
+    run: StepRun
+    plan: SwapPlan
+    walk: BatchWalk
+    stats: SwapStats
+    scope: contextlib.ExitStack
 
 
 class InBackwardStep:
@@ -136,7 +141,7 @@ class InBackwardStep:
                     self._abandon()
                     raise
 
-    def finish(self, keep_staging: bool) -> tuple[SwapStats, SwapPlan] | None:
+    def finish(self) -> tuple[SwapStats, SwapPlan] | None:
         """``step()`` after a step began inside the backward: the batches left, then the check of the gradients
         used; ``None`` when no step began (``step()`` then runs as after a backward)."""
         started, self._started = self._started, None
@@ -146,6 +151,7 @@ class InBackwardStep:
             return None
         sync = self._sync
         try:
+            keep_staging = sync.config.keep_staging
             sync.scheduler.end_walk(started.plan, started.walk, started.stats, keep_staging=keep_staging)
             edited = started.run.edited_gradients()
         finally:

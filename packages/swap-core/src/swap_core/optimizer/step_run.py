@@ -95,14 +95,10 @@ class StepRun:
         present = [grad for grad in grads if grad is not None]
         if any(map(_IS_SPARSE, present)):
             index = next(i for i, grad in enumerate(grads) if grad is not None and grad.is_sparse)
-            group_index, param = self.sync.ordered_params_with_groups()[index]
-            raise RuntimeError(
-                f"Parameter {tuple(param.shape)} of param group {group_index} has a sparse gradient; "
-                "swapping supports dense gradients only"
-            )
+            raise _sparse_gradient(*self.sync.ordered_params_with_groups()[index])
         adopt = self.sync.backend.adopt
         for grad in present:
-            adopt(grad if type(grad) is torch.Tensor else local_tensor(grad))
+            adopt(_local_grad(grad))
         return len(present)
 
     def params_with_grad(self) -> list[tuple[int, torch.Tensor]]:
@@ -168,19 +164,15 @@ class StepRun:
         step can tell whether one was edited after it was applied (:meth:`edited_gradients`)."""
         ordered, grads = self._ordered, self.grads
         adopt = self.sync.backend.adopt
-        for _, _, _, where in batch.segments:
+        for group_index, _, _, where in batch.segments:
             for position in range(len(grads))[where] if isinstance(where, slice) else where:
-                grad = ordered[position].grad
-                grads[position] = grad
+                param = ordered[position]
+                grad = grads[position] = param.grad
                 if grad is None:
                     continue
                 if grad.is_sparse:
-                    raise RuntimeError(
-                        f"Parameter {tuple(ordered[position].shape)} has a sparse gradient; swapping supports dense "
-                        "gradients only"
-                    )
-                adopt(grad if type(grad) is torch.Tensor else local_tensor(grad))
-                param = ordered[position]
+                    raise _sparse_gradient(group_index, param)
+                adopt(_local_grad(grad))
                 self._applied[id(param)] = (param, grad, tensor_version(grad))
         self.update(batch)
 
@@ -237,6 +229,18 @@ class StepRun:
             if param in state:
                 del state[param]
         sync.changed()
+
+
+def _sparse_gradient(group_index: int, param: torch.Tensor) -> RuntimeError:
+    return RuntimeError(
+        f"Parameter {tuple(param.shape)} of param group {group_index} has a sparse gradient; "
+        "swapping supports dense gradients only"
+    )
+
+
+def _local_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's local tensor (a DTensor's shard), as the backend declares it."""
+    return grad if type(grad) is torch.Tensor else local_tensor(grad)
 
 
 @contextlib.contextmanager

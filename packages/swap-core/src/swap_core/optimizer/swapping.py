@@ -72,7 +72,7 @@ class Swapping:
         """One step on the batches, then the backward's prefetch armed for the next one; the step's stats, timeline
         (with ``trace``) and the plan it ran."""
         with self.scheduler.working():  # reads of the state here wait for nothing
-            began = self.in_backward.finish(self.sync.config.keep_staging) if self.in_backward is not None else None
+            began = self.in_backward.finish() if self.in_backward is not None else None
             if began is not None:  # its batches updated inside the backward; the rest did now
                 (stats, plan), timeline = began, None
             else:
