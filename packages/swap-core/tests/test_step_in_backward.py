@@ -17,6 +17,7 @@ from swap_core.errors import SwapStateError
 from swap_core.sim import SIM_MODES, SimBackend, SimMode
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.masters import MasterReference
+from swap_core.testing.pairs import through_torch_save
 
 STEPS = 5
 
@@ -205,6 +206,31 @@ def test_master_weights_update_inside_the_backward_bitwise_the_plain_optimizer_o
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reference.assert_matches(optimizer, list(model.parameters()), f"step {step}")
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_load_and_a_new_param_group_are_taken_in_by_the_next_backward() -> None:
+    """A checkpoint loaded between steps updates inside the next backward, bitwise; parameters of a group added
+    later get their hooks at the step that creates their states, and every batch then updates inside the backward."""
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model)
+    optimizer = _in_backward(model, SimBackend(mode="random", seed=3))
+    extra_plain, extra = (torch.nn.Linear(16, 16) for _ in range(2))
+    extra.load_state_dict(extra_plain.state_dict())
+    for step in range(STEPS):
+        if step == 2:
+            optimizer.load_state_dict(through_torch_save(plain.state_dict()))
+        if step == 3:
+            plain.add_param_group({"params": list(extra_plain.parameters())})
+            optimizer.add_param_group({"params": list(extra.parameters())})
+        for this_model, head, this_opt in ((plain_model, extra_plain, plain), (model, extra, optimizer)):
+            loss = _forward(this_model, _inputs(step))
+            (loss + (head(_inputs(step)).square().mean() if step >= 3 else 0)).backward()
+            this_opt.step()
+            this_opt.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        in_backward = {0: 0, 3: 0}.get(step, optimizer.stats.batches)  # states made at step 0 and for the group at 3
+        assert optimizer.stats.batches_in_backward == in_backward, (step, optimizer.stats)
 
 
 def _rmsprop_of(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -42,6 +42,10 @@ class SwapStats(CopyCounts):
     batches: int = 0
     """Pipeline batches the swapped states were split into."""
 
+    batches_in_backward: int = 0
+    """With ``SwapConfig(step="in_backward")``: of those, the batches updated inside the backward (the others
+    updated at ``step()``); 0 when the whole step ran after the backward."""
+
     peak_state_device_bytes: int = 0
     """Most device bytes held at once by swapped state (staging arenas or restored storages) and resident state."""
 

@@ -14,9 +14,9 @@ The contract, in one place:
 - Gradient accumulation: the backwards of the micro-batches before the last run inside ``opt.accumulating()``, where
   the hooks update nothing. A backward outside it that reaches a gradient whose batch already updated raises from
   the hook (the backward stops there).
-- The first step, which creates the states, runs after the backward; so does a step after anything that changed the
-  state or the param groups since the last one (a load, an edit, a new group): the hooks start a step only over the
-  plan the last step ran, with every state there.
+- The first step, which creates the states, runs after the backward; so does every step while some parameter has
+  no state. A load, an edit of the state or a new param group is taken in at the first hook of the next backward
+  (as ``step()`` takes it in); one ``step()`` would refuse stops no batch there, and ``step()`` raises it.
 - The hooks hold the optimizer weakly and go when it is garbage collected.
 """
 
@@ -140,16 +140,19 @@ class InBackwardStep:
                 except BaseException:
                     self._abandon()
                     raise
+                started.stats.batches_in_backward += 1
 
     def finish(self) -> tuple[SwapStats, SwapPlan] | None:
         """``step()`` after a step began inside the backward: the batches left, then the check of the gradients
         used; ``None`` when no step began (``step()`` then runs as after a backward)."""
         started, self._started = self._started, None
         self._final, self._gave_up = set(), False
+        sync = self._sync
+        if {id(param) for param in sync.ordered_params()} != self._hooked:
+            self.hook_params(sync.ordered_params())  # a group added or params replaced: hooks on the new ones
         if started is None:
             self._warn_of_stateless_params()
             return None
-        sync = self._sync
         try:
             keep_staging = sync.config.keep_staging
             sync.scheduler.end_walk(started.plan, started.walk, started.stats, keep_staging=keep_staging)
@@ -157,8 +160,6 @@ class InBackwardStep:
         finally:
             started.scope.close()
             started.run.release()
-        if {id(param) for param in sync.ordered_params()} != self._hooked:
-            self.hook_params(sync.ordered_params())  # a group added or params replaced: hooks on the new ones
         if edited:
             raise SwapStateError(
                 f"{len(edited)} gradient(s) changed after their batch updated inside the backward (e.g. the first "
@@ -169,11 +170,16 @@ class InBackwardStep:
         return started.stats, started.plan
 
     def _warn_of_stateless_params(self) -> None:
-        """Once: the steps run after the backward while some parameters have no state (never a gradient)."""
+        """Once: the steps run after the backward while some parameters have no state and get none now (they had no
+        gradient yet)."""
         sync = self._sync
         if self._warned or not sync.state:
             return
-        stateless = [param for param in sync.ordered_params() if param.requires_grad and not sync.state.get(param)]
+        stateless = [
+            param
+            for param in sync.ordered_params()
+            if param.requires_grad and param.grad is None and not sync.state.get(param)  # with a gradient: one now
+        ]
         if stateless:
             self._warned = True
             warn_user(
@@ -189,21 +195,19 @@ class InBackwardStep:
         return all(id(param) in final for _, param in params if param.requires_grad)
 
     def _begin(self) -> _Started | None:
-        """Begin the step over the plan the last step ran, if it is still current and has every state."""
+        """Begin the step over the current plan (after the user's edits), if it has batches and every state."""
         sync, plans = self._sync, self._plans
         with sync.scheduler.working():
             try:
                 sync.follow_edits(sync.ordered_params())
-            except Exception:  # a refused edit: step() raises it, after the backward
+                plan = plans.current()
+            except Exception:  # a refused edit or state: step() raises it, after the backward, before any change
                 return None
-            if not plans.states_complete():
+            if not plan.all_states_exist or not plan.batches:
                 return None
         scope = contextlib.ExitStack()
         try:
             with sync.scheduler.working():
-                plan = plans.current()
-                if not plan.batches:
-                    return None
                 run = StepRun(sync, plans, self._update)
                 run.begin_in_backward()
                 scope.enter_context(sync.adapter.step_scope())

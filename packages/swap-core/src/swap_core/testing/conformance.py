@@ -27,13 +27,14 @@ from ..optimizer import SwapOptimizer
 from ..runtime.packed import ARENA_ALIGN_BYTES, SLOT_ALIGN_BYTES, align_up
 from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .habits import HABIT_CHECKS
-from .masters import check_master_weights
+from .masters import assert_stepped_in_backward, check_master_weights
 from .pairs import (
     BackendFactory,
     ConformanceCase,
     Pair,
     make_groups,
     make_pair,
+    skips_a_gradient,
     swap_config,
     through_torch_save,
     wrap_case,
@@ -72,6 +73,9 @@ OPTION_VARIANTS: tuple[dict[str, Any], ...] = (
     {"state_keys": ()},
     {"prefetch": "backward", "swap_times": 3},
     {"prefetch": "backward", "offload_fraction": 0.5, "packed": False},
+    {"step": "in_backward"},
+    {"step": "in_backward", "packed": False, "swap_times": 5},
+    {"step": "in_backward", "offload_fraction": 0.5, "duplex": False},
 )
 """SwapConfig variants each checked for parity under :data:`OPTION_MODES`."""
 
@@ -108,6 +112,8 @@ def check_parity(case: ConformanceCase, backend: DeviceBackend, **overrides: Any
         pair.step_both()
         # Parameters only: state_dict() synchronizes, which would hide a missing wait between steps.
         pair.assert_params_equal(f"{case.name} step {step}")
+        if step > 0 and not skips_a_gradient(case, step):
+            assert_stepped_in_backward(pair.swapped, f"{case.name} step {step}")
     pair.assert_equal(f"{case.name} after {case.steps} steps")
     races = getattr(backend, "races", [])
     assert not races, f"{case.name}: the simulator reported races: {races}"
@@ -276,53 +282,65 @@ def _state_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., No
     """Checkpoints, faults, master weights and torch habits."""
     import pytest
 
-    @case_param
-    @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-    def test_conformance_checkpoint(
-        case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory, backend_name: str
-    ) -> None:
-        _require_device_type(case, backend_name)
-        check_checkpoint_round_trip(case, swap_backend_factory(mode="random", seed=7), packed=packed)
+    steps = pytest.mark.parametrize("step", ["after_backward", "in_backward"])
 
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+    @steps
+    def test_conformance_checkpoint(
+        case: ConformanceCase, packed: bool, step: str, swap_backend_factory: BackendFactory, backend_name: str
+    ) -> None:
+        _require_device_type(case, backend_name)
+        check_checkpoint_round_trip(case, swap_backend_factory(mode="random", seed=7), packed=packed, step=step)
+
+    @case_param
+    @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+    @steps
     @pytest.mark.sim_only
     def test_conformance_faults(
-        case: ConformanceCase, packed: bool, swap_backend_factory: BackendFactory, backend_name: str
+        case: ConformanceCase, packed: bool, step: str, swap_backend_factory: BackendFactory, backend_name: str
     ) -> None:
         _require_device_type(case, backend_name)
-        points = fault_points(case, swap_backend_factory(mode="lazy"), packed=packed)
+        points = fault_points(case, swap_backend_factory(mode="lazy"), packed=packed, step=step)
         assert points, f"{case.name}: no fault points found"
         for point in points:
-            check_fault(case, swap_backend_factory(mode="lazy"), point, packed=packed)
+            check_fault(case, swap_backend_factory(mode="lazy"), point, packed=packed, step=step)
+
+    master_runs = [
+        *(("after_backward", mode, seed) for mode, seed in MASTER_MODES),
+        *(("in_backward", mode, seed) for mode, seed in MASTER_MODES[::2]),
+    ]
 
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-    @pytest.mark.parametrize("schedule", MASTER_MODES, ids=[f"{m}{s}" for m, s in MASTER_MODES])
+    @pytest.mark.parametrize("step,mode,seed", master_runs, ids=[f"{step}-{m}{s}" for step, m, s in master_runs])
     def test_conformance_master_weights(
         case: ConformanceCase,
         packed: bool,
-        schedule: tuple[str, int],
-        swap_backend_factory: BackendFactory,
-        backend_name: str,
-    ) -> None:
-        _require_device_type(case, backend_name)
-        mode, seed = schedule
-        check_master_weights(case, swap_backend_factory(mode=mode, seed=seed), packed=packed)
-
-    @case_param
-    @pytest.mark.parametrize("habit", list(HABIT_CHECKS))
-    @pytest.mark.parametrize("mode,seed", HABIT_MODES, ids=[f"{m}{s}" for m, s in HABIT_MODES])
-    def test_conformance_torch_habits(
-        case: ConformanceCase,
-        habit: str,
+        step: str,
         mode: str,
         seed: int,
         swap_backend_factory: BackendFactory,
         backend_name: str,
     ) -> None:
         _require_device_type(case, backend_name)
-        HABIT_CHECKS[habit](case, swap_backend_factory(mode=mode, seed=seed))
+        check_master_weights(case, swap_backend_factory(mode=mode, seed=seed), packed=packed, step=step)
+
+    @case_param
+    @pytest.mark.parametrize("habit", list(HABIT_CHECKS))
+    @pytest.mark.parametrize("step", ["after_backward", "in_backward"])
+    @pytest.mark.parametrize("mode,seed", HABIT_MODES, ids=[f"{m}{s}" for m, s in HABIT_MODES])
+    def test_conformance_torch_habits(
+        case: ConformanceCase,
+        habit: str,
+        step: str,
+        mode: str,
+        seed: int,
+        swap_backend_factory: BackendFactory,
+        backend_name: str,
+    ) -> None:
+        _require_device_type(case, backend_name)
+        HABIT_CHECKS[habit](case, swap_backend_factory(mode=mode, seed=seed), step=step)
 
     return {
         "test_conformance_checkpoint": test_conformance_checkpoint,

@@ -31,10 +31,10 @@ from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .pairs import (
     ConformanceCase,
     Pair,
+    give_grads,
     make_groups,
     make_pair,
     make_params,
-    set_grads,
     swap_config,
     through_torch_save,
     wrap_case,
@@ -56,10 +56,11 @@ __all__ = [
     "check_state_resets",
 ]
 
-HabitCheck = Callable[[ConformanceCase, DeviceBackend], None]
+HabitCheck = Callable[..., None]
+"""A check of :data:`HABIT_CHECKS`: ``check(case, backend, **overrides)``, the overrides going to ``SwapConfig``."""
 
 
-def check_state_resets(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_state_resets(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """``del opt.state[p]``, ``opt.state[p] = {}``, ``opt.state.clear()``, a new tensor for a swapped key."""
     resets: dict[str, Callable[[torch.optim.Optimizer, list[torch.Tensor]], None]] = {
         "del": lambda optimizer, params: optimizer.state.__delitem__(params[0]),
@@ -68,7 +69,7 @@ def check_state_resets(case: ConformanceCase, backend: DeviceBackend) -> None:
         "replace": _halve_a_swapped_state,
     }
     for name, reset in resets.items():
-        pair = make_pair(case, backend)
+        pair = make_pair(case, backend, **overrides)
         pair.step_both(2)
         reset(pair.reference, pair.reference_params)
         reset(pair.swapped, pair.swapped_params)
@@ -79,7 +80,7 @@ def check_state_resets(case: ConformanceCase, backend: DeviceBackend) -> None:
         pair.assert_equal(f"{case.name}: 3 steps after the {name!r} reset")
 
 
-def check_state_edits_in_place(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_state_edits_in_place(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """A state edited in place between steps, as torch users do (a moment halved after a loss spike, zeroed, or
     overwritten with ``copy_``): the next step runs on the edit, even though the last step's copy to host memory
     may still be in flight when the edit is made (reading ``opt.state`` waits for it)."""
@@ -89,7 +90,7 @@ def check_state_edits_in_place(case: ConformanceCase, backend: DeviceBackend) ->
         "copy_": lambda value: value.copy_(torch.full_like(value, 0.25)),
     }
     for name, edit in edits.items():
-        pair = make_pair(case, backend)
+        pair = make_pair(case, backend, **overrides)
         pair.step_both(2)
         for optimizer, params in ((pair.reference, pair.reference_params), (pair.swapped, pair.swapped_params)):
             for param in params:
@@ -100,23 +101,22 @@ def check_state_edits_in_place(case: ConformanceCase, backend: DeviceBackend) ->
         pair.assert_equal(f"{case.name}: 2 steps after every state was edited in place ({name})")
 
 
-def check_late_first_gradient(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_late_first_gradient(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """A parameter without a gradient in the first steps (frozen, then unfrozen; a branch used later) gets its
     state at its first gradient, and the states of the others go on from where they were."""
-    pair = make_pair(case, backend)
+    pair = make_pair(case, backend, **overrides)
     params = pair.reference_params
     late = max(range(len(params)), key=lambda index: (params[index].numel(), index))  # one whose states are swapped
     for _ in range(2):
         for params, optimizer in ((pair.reference_params, pair.reference), (pair.swapped_params, pair.swapped)):
-            set_grads(case, params, pair.steps_taken)
-            params[late].grad = None
+            give_grads(case, optimizer, params, pair.steps_taken, without={late})
             optimizer.step()
         pair.steps_taken += 1
     pair.step_both(3)
     pair.assert_equal(f"{case.name}: 3 steps after parameter {late} got its first gradient")
 
 
-def check_edited_param_groups(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_edited_param_groups(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """Groups edited by hand: reordered (same-shaped params included), appended to, shortened, replaced."""
     case = _with_a_twin_shape(case)
     edits: dict[str, Callable[[Pair, torch.optim.Optimizer, list[torch.Tensor]], None]] = {
@@ -130,7 +130,7 @@ def check_edited_param_groups(case: ConformanceCase, backend: DeviceBackend) -> 
         "inner_add_param_group": _add_a_group_through_the_wrapped_optimizer,
     }
     for name, edit in edits.items():
-        pair = make_pair(case, backend)
+        pair = make_pair(case, backend, **overrides)
         pair.step_both(2)
         edit(pair, pair.reference, pair.reference_params)
         wrapped = pair.swapped.optimizer if name == "inner_add_param_group" else pair.swapped
@@ -139,7 +139,7 @@ def check_edited_param_groups(case: ConformanceCase, backend: DeviceBackend) -> 
         pair.assert_equal(f"{case.name}: 3 steps after the {name!r} edit of param_groups")
 
 
-def check_duplicate_params(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_duplicate_params(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """A parameter twice in a group is refused at wrap time, and when a hand edit repeats one, before any change."""
     params = make_params(case, backend.device)
     groups = make_groups(case, params)
@@ -150,15 +150,15 @@ def check_duplicate_params(case: ConformanceCase, backend: DeviceBackend) -> Non
     _expect_error(
         UnsupportedOptimizerError,
         r"appears twice in param group 0 \(positions 0 and \d+\)",
-        lambda: wrap_case(case, plain, swap_config(case, backend)),
+        lambda: wrap_case(case, plain, swap_config(case, backend, **overrides)),
     )
     _assert_never_wrapped(plain, f"{case.name}: refused for a repeated parameter")
-    pair = make_pair(case, backend)
+    pair = make_pair(case, backend, **overrides)
     pair.step_both(2)
     before = _snapshot(pair)
     group = pair.swapped.param_groups[0]["params"]
     group.append(group[0])
-    set_grads(case, pair.swapped_params, pair.steps_taken)
+    give_grads(case, pair.swapped, pair.swapped_params, pair.steps_taken)
     _expect_error(UnsupportedOptimizerError, "appears twice in param group 0", pair.swapped.step)
     group.pop()
     _assert_unchanged(pair, before, "after a refused step with a repeated parameter")
@@ -166,10 +166,10 @@ def check_duplicate_params(case: ConformanceCase, backend: DeviceBackend) -> Non
     pair.assert_equal(f"{case.name}: after the repeated parameter was removed again")
 
 
-def check_empty_optimizer(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_empty_optimizer(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """An optimizer without parameters steps nothing (torch's no-op), then takes a group like torch's."""
     reference = case.make_optimizer([{"params": []}])
-    swapped = wrap_case(case, case.make_optimizer([{"params": []}]), swap_config(case, backend))
+    swapped = wrap_case(case, case.make_optimizer([{"params": []}]), swap_config(case, backend, **overrides))
     reference.step()
     swapped.step()
     assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), f"{case.name}: empty optimizer")
@@ -181,9 +181,9 @@ def check_empty_optimizer(case: ConformanceCase, backend: DeviceBackend) -> None
     pair.assert_equal(f"{case.name}: an empty optimizer given a param group")
 
 
-def check_deepcopy_and_pickle(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_deepcopy_and_pickle(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """``copy.deepcopy`` gives an independent working optimizer; pickling says to save ``state_dict()``."""
-    pair = make_pair(case, backend)
+    pair = make_pair(case, backend, **overrides)
     pair.step_both(2)
     twin = Pair(case, [], copy.deepcopy(pair.reference), [], copy.deepcopy(pair.swapped), pair.steps_taken)
     twin.reference_params = [param for group in twin.reference.param_groups for param in group["params"]]
@@ -198,9 +198,9 @@ def check_deepcopy_and_pickle(case: ConformanceCase, backend: DeviceBackend) -> 
         _expect_error(TypeError, r"Save optimizer\.state_dict\(\) instead", save)
 
 
-def check_load_through_the_wrapped_optimizer(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_load_through_the_wrapped_optimizer(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """``opt.optimizer.load_state_dict(...)`` (the plain one) is followed by the swapped optimizer."""
-    pair = make_pair(case, backend)
+    pair = make_pair(case, backend, **overrides)
     pair.step_both(2)
     checkpoint = through_torch_save(pair.reference.state_dict())  # a copy: state_dict() holds the live tensors
     pair.step_both(2)
@@ -212,14 +212,14 @@ def check_load_through_the_wrapped_optimizer(case: ConformanceCase, backend: Dev
     pair.assert_equal(f"{case.name}: 3 steps after a load through the wrapped optimizer")
 
 
-def check_incomplete_checkpoints(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_incomplete_checkpoints(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """A checkpoint lacking a state key, or with an unknown one, is refused at load naming both; nothing changes.
 
     Loaded through the wrapped optimizer instead (torch's load takes anything), the next step refuses it
     before any parameter changes. (A family with a single state key has no "lacking" checkpoint: without
     its one key an entry is empty, which means a fresh state, as in torch.)
     """
-    pair = make_pair(case, backend)
+    pair = make_pair(case, backend, **overrides)
     pair.step_both(2)
     good = through_torch_save(pair.reference.state_dict())
     index, key = _last_swapped_key(good)
@@ -238,7 +238,7 @@ def check_incomplete_checkpoints(case: ConformanceCase, backend: DeviceBackend) 
     bad, words = bad_checkpoints[0]
     pair.swapped.optimizer.load_state_dict(bad)
     before_params = [param.detach().clone() for param in pair.swapped_params]
-    set_grads(case, pair.swapped_params, pair.steps_taken)
+    give_grads(case, pair.swapped, pair.swapped_params, pair.steps_taken)
     _expect_error(SwapStateError, rf"parameter {index}\b.*{re.escape(words)}", pair.swapped.step)
     for position, (param, saved) in enumerate(zip(pair.swapped_params, before_params, strict=True)):
         assert_bitwise_equal(saved, param, f"{case.name}: parameter {position} after a refused step")
@@ -248,7 +248,7 @@ def check_incomplete_checkpoints(case: ConformanceCase, backend: DeviceBackend) 
     pair.assert_equal(f"{case.name}: after a good checkpoint replaced the refused one")
 
 
-def check_hooks_and_schedulers_before_wrapping(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_hooks_and_schedulers_before_wrapping(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """A step post-hook and an LR scheduler attached to the plain optimizer before wrapping keep working."""
     reference_params, swapped_params = make_params(case, backend.device), make_params(case, backend.device)
     reference = case.make_optimizer(make_groups(case, reference_params))
@@ -258,7 +258,13 @@ def check_hooks_and_schedulers_before_wrapping(case: ConformanceCase, backend: D
     schedulers = [
         torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) for optimizer in (reference, plain)
     ]
-    pair = Pair(case, reference_params, reference, swapped_params, wrap_case(case, plain, swap_config(case, backend)))
+    pair = Pair(
+        case,
+        reference_params,
+        reference,
+        swapped_params,
+        wrap_case(case, plain, swap_config(case, backend, **overrides)),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -271,23 +277,23 @@ def check_hooks_and_schedulers_before_wrapping(case: ConformanceCase, backend: D
     pair.assert_equal(f"{case.name}: 3 scheduled steps")
 
 
-def check_second_wrapper(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_second_wrapper(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """Wrapping an optimizer that a live SwapOptimizer already wraps is refused; the first goes on unharmed."""
-    pair = make_pair(case, backend)
+    pair = make_pair(case, backend, **overrides)
     pair.step_both(1)
     _expect_error(
         UnsupportedOptimizerError,
         "already wrapped by a SwapOptimizer",
-        lambda: wrap_case(case, pair.swapped.optimizer, swap_config(case, backend)),
+        lambda: wrap_case(case, pair.swapped.optimizer, swap_config(case, backend, **overrides)),
     )
     pair.step_both(2)
     pair.assert_equal(f"{case.name}: after a refused second wrapper")
 
 
-def check_bypassed_overrides(case: ConformanceCase, backend: DeviceBackend) -> None:
+def check_bypassed_overrides(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
     """A subclass overriding ``step``, or an instance with a replaced ``step``, is refused by adapters that
     reproduce the family's math (they would never run the override)."""
-    pair = make_pair(case, backend)
+    pair = make_pair(case, backend, **overrides)
     if not pair.swapped.adapter.reproduces:
         return  # an adapter that runs the optimizer's own step runs the override too (parity checks cover it)
     plain = case.make_optimizer(make_groups(case, make_params(case, backend.device)))
@@ -305,7 +311,7 @@ def check_bypassed_overrides(case: ConformanceCase, backend: DeviceBackend) -> N
     _expect_error(
         UnsupportedOptimizerError,
         f"Clamping{family.__name__} overrides step",
-        lambda: wrap_case(case, plain, swap_config(case, backend)),
+        lambda: wrap_case(case, plain, swap_config(case, backend, **overrides)),
     )
     _assert_never_wrapped(plain, f"{case.name}: refused for an overridden step")
     patched = case.make_optimizer(make_groups(case, make_params(case, backend.device)))
@@ -313,7 +319,7 @@ def check_bypassed_overrides(case: ConformanceCase, backend: DeviceBackend) -> N
     _expect_error(
         UnsupportedOptimizerError,
         "step was replaced on the instance",
-        lambda: wrap_case(case, patched, swap_config(case, backend)),
+        lambda: wrap_case(case, patched, swap_config(case, backend, **overrides)),
     )
     _assert_never_wrapped(patched, f"{case.name}: refused for a replaced step")
 

@@ -29,7 +29,17 @@ from ..optimizer import SwapOptimizer
 from ..runtime.dtensor import shard_layout
 from ..runtime.state_keys import MASTER_KEY
 from .compare import assert_bitwise_equal
-from .pairs import ConformanceCase, make_groups, make_params, set_grads, swap_config, through_torch_save, wrap_case
+from .pairs import (
+    ConformanceCase,
+    give_grads,
+    make_groups,
+    make_params,
+    set_grads,
+    skips_a_gradient,
+    swap_config,
+    through_torch_save,
+    wrap_case,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -38,6 +48,7 @@ __all__ = [
     "MASTER_DTYPES",
     "MIXED_SHAPES_AND_DTYPES",
     "MasterReference",
+    "assert_stepped_in_backward",
     "check_master_weights",
     "mixed_precision_params",
     "set_same_grads",
@@ -200,7 +211,19 @@ def _train_on_masters(
 ) -> None:
     for step in steps:
         set_grads(case, reference.params, step)
-        set_grads(case, params, step)
+        give_grads(case, swapped, params, step)
         reference.step()
         swapped.step()
         reference.assert_matches(swapped, params, f"{where}, master weights, step {step}")
+        if step > steps.start and not skips_a_gradient(case, step):
+            assert_stepped_in_backward(swapped, f"{where}, master weights, step {step}")
+
+
+def assert_stepped_in_backward(optimizer: SwapOptimizer, where: str) -> None:
+    """With ``SwapConfig(step="in_backward")``, after a step whose backward gave every parameter a gradient and
+    followed a step over the same states: every batch updated inside that backward (nothing otherwise)."""
+    stats = optimizer.stats
+    if optimizer.config.step == "in_backward":
+        assert stats.batches_in_backward == stats.batches, (
+            f"{where}: {stats.batches_in_backward} of {stats.batches} batches updated inside the backward"
+        )

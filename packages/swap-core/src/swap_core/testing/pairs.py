@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +26,12 @@ __all__ = [
     "ConformanceCase",
     "OptimizerFactory",
     "Pair",
+    "give_grads",
     "make_groups",
     "make_pair",
     "make_params",
     "set_grads",
+    "skips_a_gradient",
     "swap_config",
     "through_torch_save",
     "wrap_case",
@@ -92,13 +94,53 @@ def make_groups(case: ConformanceCase, params: Sequence[torch.Tensor]) -> list[d
     ]
 
 
-def set_grads(case: ConformanceCase, params: Sequence[torch.Tensor], step: int, seed: int = 0) -> None:
-    """Deterministic gradients for ``step``; the same call gives the same values for any copy of the params."""
+def set_grads(
+    case: ConformanceCase, params: Sequence[torch.Tensor], step: int, seed: int = 0, *, without: Collection[int] = ()
+) -> None:
+    """Deterministic gradients for ``step``; the same call gives the same values for any copy of the params.
+    ``without``: positions of parameters left without a gradient."""
+    for param, grad in zip(params, _grads(case, params, step, seed, without), strict=True):
+        param.grad = grad
+
+
+def give_grads(
+    case: ConformanceCase,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    step: int,
+    *,
+    without: Collection[int] = (),
+) -> None:
+    """:func:`set_grads`' gradients to ``params``, the way ``optimizer`` takes them: with ``SwapConfig(step=
+    "in_backward")`` through a backward, whose gradient hooks update the batches as they complete (the last
+    parameter's gradient is final first, as in a model's backward); else set directly."""
+    config = getattr(optimizer, "config", None)
+    if not isinstance(config, SwapConfig) or config.step != "in_backward":
+        set_grads(case, params, step, without=without)
+        return
+    grads = _grads(case, params, step, 0, without)
+    for param in params:
+        param.grad = None
+    given = [(param, grad) for param, grad in zip(params, grads, strict=True) if grad is not None]
+    # A view's backward hands its input exactly the gradient it gets, in any dtype.
+    torch.autograd.backward([param.view_as(param) for param, _ in given], [grad for _, grad in given])
+
+
+def skips_a_gradient(case: ConformanceCase, step: int) -> bool:
+    """Whether the first parameter gets no gradient at ``step`` (every ``case.skip_grad_every`` steps)."""
+    return bool(case.skip_grad_every) and step % case.skip_grad_every == case.skip_grad_every - 1
+
+
+def _grads(
+    case: ConformanceCase, params: Sequence[torch.Tensor], step: int, seed: int, without: Collection[int]
+) -> list[torch.Tensor | None]:
     generator = torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
+    grads: list[torch.Tensor | None] = []
     for index, param in enumerate(params):
         grad = torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.dtype)
-        skip = case.skip_grad_every and index == 0 and step % case.skip_grad_every == case.skip_grad_every - 1
-        param.grad = None if skip else grad.to(param.device)
+        skipped = index in without or (index == 0 and skips_a_gradient(case, step))
+        grads.append(None if skipped else grad.to(param.device))
+    return grads
 
 
 def swap_config(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> SwapConfig:
@@ -130,7 +172,7 @@ class Pair:
         self.reference.step()
 
     def step_swapped(self) -> None:
-        set_grads(self.case, self.swapped_params, self.steps_taken)
+        give_grads(self.case, self.swapped, self.swapped_params, self.steps_taken)
         self.swapped.step()
 
     def assert_params_equal(self, context: str) -> None:
