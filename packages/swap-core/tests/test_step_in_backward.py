@@ -94,6 +94,36 @@ def test_batches_update_inside_the_backward_bitwise_the_plain_optimizer_after_it
         assert optimizer.stats.batches == 3
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize(("mode", "seed"), [("lazy", 0), ("random", 6)])
+def test_a_prefetch_after_step_brings_the_first_batch_in_for_the_walk_in_the_next_backward(
+    mode: SimMode, seed: int, packed: bool
+) -> None:
+    """``opt.prefetch()`` after ``step()`` issues the first batch's copy-in under the next forward; the walk that
+    the backward begins waits for it instead of copying it again, and counts it in that step's copies."""
+    plain_model, model, twin_model = _model(), _model(), _model()
+    plain = _rmsprop(plain_model)
+    sim, twin_sim = SimBackend(mode=mode, seed=seed), SimBackend(mode=mode, seed=seed)
+    optimizer, twin = _in_backward(model, sim, packed=packed), _in_backward(twin_model, twin_sim, packed=packed)
+    for step in range(STEPS):
+        _forward(plain_model, _inputs(step)).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        for this_model, this_opt in ((model, optimizer), (twin_model, twin)):
+            _forward(this_model, _inputs(step)).backward()
+            this_opt.step()
+            this_opt.zero_grad(set_to_none=True)
+        # Every batch copied in once a step, the prefetched one included (a prefetch dropped would copy it twice).
+        assert sim.copy_stats.h2d_copies == twin_sim.copy_stats.h2d_copies, step
+        assert optimizer.stats.h2d_copies == twin.stats.h2d_copies, (optimizer.stats, twin.stats)
+        if step > 0:
+            assert optimizer.stats.batches_in_backward == optimizer.stats.batches == 3
+        _assert_same(plain_model, model, plain, optimizer, f"{mode} {seed} step {step}")  # before prefetch(): a read
+        copies_before = sim.copy_stats.h2d_copies  # of the state would drop it
+        optimizer.prefetch()
+        assert optimizer.prefetched and sim.copy_stats.h2d_copies > copies_before, step
+
+
 def test_accumulated_micro_batches_update_once_in_the_last_backward() -> None:
     plain_model, model = _model(), _model()
     plain = _rmsprop(plain_model)

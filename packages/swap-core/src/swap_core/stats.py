@@ -65,12 +65,14 @@ class SwapStats(CopyCounts):
     modeled_step_seconds: float | None = None
     """On the simulator's virtual clock (``SimBackend(timing=...)``): how far the step pushed back the
     compute stream, i.e. the time a training loop loses to it (when the compute stream is free after
-    the step's work, less when it was free, or the host issued ``step()``, at entry). ``None`` without
-    a timing model."""
+    the step's work, less when it was free, or the host issued ``step()``, at entry). With
+    ``SwapConfig(step="in_backward")`` only what ``step()`` itself adds: the batches updated inside the backward
+    are in the backward's time. ``None`` without a timing model."""
 
     modeled_transfer_seconds: float | None = None
-    """On the virtual clock: from ``step()``'s entry until its last offload finished. ``None`` without a
-    timing model."""
+    """On the virtual clock: from the step's first copy (at ``step()``'s entry, or earlier: a ``prefetch()``'s, or
+    inside the backward with ``SwapConfig(step="in_backward")``) until its last offload finished. ``None`` without
+    a timing model."""
 
     available_device_bytes: int | None = None
     """With ``swap_times="auto"``: the device bytes available (free, and cached unused) when the batches were chosen;

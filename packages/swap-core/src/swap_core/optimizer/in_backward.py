@@ -212,7 +212,8 @@ class InBackwardStep:
                 run.begin_in_backward()
                 scope.enter_context(sync.adapter.step_scope())
                 stats = SwapStats()
-                sync.backend.start_transfer_window()
+                if not sync.scheduler.prefetched:  # else opt.prefetch() started it: its copy-in is this step's first
+                    sync.backend.start_transfer_window()
                 walk = sync.scheduler.begin_walk(plan, run.update_in_backward, stats)
         except BaseException:
             scope.close()

@@ -243,8 +243,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             started = time.perf_counter()
             backend = swapping.sync.backend
             modeled_start = backend.modeled_times()
-            if modeled_start is not None and not swapping.scheduler.prefetched:
-                backend.start_transfer_window()  # else prefetch() started it: its copy-in is this step's first
+            if modeled_start is not None and not swapping.transfers_started:
+                backend.start_transfer_window()
             stats, self.trace, plan = swapping.run_step(trace=self.config.trace)
             note_step_for_lr_schedulers(self.optimizer)
         swapping.count_memory(stats, plan)

@@ -68,6 +68,13 @@ class Swapping:
     def scheduler(self) -> PipelineScheduler:
         return self.sync.scheduler
 
+    @property
+    def transfers_started(self) -> bool:
+        """Whether the next ``step()``'s copies began before it: a ``prefetch()``'s copy-in, or batches updated
+        inside the backward (the step's transfer window then began there)."""
+        began_in_backward = self.in_backward is not None and self.in_backward.started
+        return self.scheduler.prefetched or began_in_backward
+
     def run_step(self, *, trace: bool) -> tuple[SwapStats, StepTrace | None, SwapPlan]:
         """One step on the batches, then the backward's prefetch armed for the next one; the step's stats, timeline
         (with ``trace``) and the plan it ran."""

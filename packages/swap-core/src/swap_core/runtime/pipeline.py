@@ -137,14 +137,15 @@ class PipelineScheduler:
     def begin_walk(self, plan: SwapPlan, update: UpdateFn, stats: SwapStats) -> BatchWalk:
         """Start a step whose caller advances the walk itself, batch by batch (:meth:`advance_walk`: every batch of
         ``plan``, in order, ``plan.resident`` not used) and finishes it with :meth:`end_walk`; batch 0 starts its
-        copy-in now (a pending :meth:`prefetch` is dropped)."""
+        copy-in now, unless a pending :meth:`prefetch` of ``plan`` issued it (one of another plan is dropped)."""
         self.compute = self.backend.compute_stream()
         self._timeline = None
-        self.discard_prefetch()
+        early = self._take_early(plan)
         self._settle()
         plan.staging.acquire()
         with self._recover_on_error(plan):
-            walk = BatchWalk(self, plan, plan.batches, self.compute, update, stats)
+            prefetched = _counted(early, stats)
+            walk = BatchWalk(self, plan, plan.batches, self.compute, update, stats, prefetched=prefetched)
         self._walking = True
         return walk
 
@@ -175,11 +176,7 @@ class PipelineScheduler:
         stats: SwapStats,
     ) -> None:
         """Every batch of ``batches`` in turn (:class:`~swap_core.runtime.batch_walk.BatchWalk`)."""
-        prefetched = None
-        if early is not None:  # batch 0 was copied in by prefetch()
-            stats.count("h2d", early.copies, early.nbytes)
-            prefetched = early.event
-        walk = BatchWalk(self, plan, batches, self.compute, update, stats, prefetched=prefetched)
+        walk = BatchWalk(self, plan, batches, self.compute, update, stats, prefetched=_counted(early, stats))
         while not walk.done:
             walk.advance()
         assert walk.last_offload is not None, "a walk has batches"
@@ -447,3 +444,12 @@ class _Timeline:
             TraceInterval(batch, phase, elapsed(self._origin, start), elapsed(self._origin, end), nbytes)
             for batch, phase, start, end, nbytes in self._spans
         ]
+
+
+def _counted(early: _EarlyPrefetch | None, stats: SwapStats) -> Event | None:
+    """The event of batch 0's copy-in that :meth:`PipelineScheduler.prefetch` issued (its copies counted into
+    ``stats`` now, in the step they serve), or ``None`` without one."""
+    if early is None:
+        return None
+    stats.count("h2d", early.copies, early.nbytes)
+    return early.event

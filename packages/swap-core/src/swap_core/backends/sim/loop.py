@@ -25,6 +25,7 @@ def modeled_iterations(
     forward_backward_seconds: float,
     iterations: int = 3,
     read_loss: bool = True,
+    backward: Callable[[], object] | None = None,
 ) -> list[float]:
     """Seconds of each of ``iterations`` training iterations on ``backend``'s virtual clock.
 
@@ -33,6 +34,10 @@ def modeled_iterations(
     it wait; then ``step()`` (set the gradients and call the optimizer's ``step`` in it). An iteration lasts
     from its forward's start to the next forward's start: with a host that never waits for the step's copies,
     the forward and backward plus the step's time on the compute stream.
+
+    ``backward``: a real backward, run after the modeled ``forward_backward_seconds`` (then only the forward's
+    time, or what the backward does not model itself) and before the loss is read: an autograd backward whose
+    nodes model their compute, so that gradient hooks (``SwapConfig(step="in_backward")``) run inside it.
     """
     times = backend.modeled_times()
     if times is None:
@@ -47,6 +52,8 @@ def modeled_iterations(
         if len(starts) > iterations:
             break
         backend.model_compute(forward_backward_seconds)
+        if backward is not None:
+            backward()
         if read_loss:
             backend.model_host_read()
         step()

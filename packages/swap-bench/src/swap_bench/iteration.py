@@ -1,0 +1,246 @@
+"""Modeled training iterations: a model shard's forward, backward and step on the virtual clock, per step mode.
+
+:func:`model_iteration` runs, on :class:`~swap_core.sim.MetaBackend` (meta tensors, nothing allocated), a loop of
+one rank of a model trained with FSDP2: a forward, a backward whose layers finalize their parameters' gradients
+from the last layer to the first (a real autograd backward over the rank's shards, each layer's backward modeling
+its compute), the loss read, and ``step()``. It times the iteration three ways, forward start to forward start:
+with the optimizer unswapped, swapped with ``step="after_backward"`` and swapped with ``step="in_backward"``.
+
+The compute is the model's training FLOPs at a stated utilization of the device's matmul peak: ``6 N T`` for ``N``
+parameters and ``T`` tokens a rank, a third of it forward, the rest backward, each layer's share in proportion to
+its parameters. The interconnect is not modeled: the all-gathers and reduce-scatters are taken as hidden under
+the compute, as FSDP2 overlaps them. Deterministic: the same numbers on every machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.sim import LinkModel, MetaBackend, modeled_iterations
+
+from .models import MODELS, ModelShape, fsdp_shard_shape
+from .workloads import OPTIMIZERS, OptimizerSpec
+
+__all__ = ["IterationModel", "IterationRow", "documented_models", "iteration_table", "model_iteration"]
+
+StepPlace = Literal["after_backward", "in_backward"]
+
+ITERATIONS = 3
+"""Iterations timed after the first (which creates the states): the last one is reported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationModel:
+    """One rank of ``model`` trained under FSDP2 on ``world`` ranks, ``tokens`` tokens a rank per iteration."""
+
+    model: ModelShape
+    world: int
+    tokens: int
+    optimizer: OptimizerSpec
+    link: str
+    """A :data:`~swap_core.sim.LINK_PRESETS` name."""
+    swap_times: int
+    master_weights: bool = False
+    ranks_per_node: int = 1
+    """Ranks sharing one host's memory bandwidth (``LinkModel.ranks_sharing_host``), at most ``world``; 1: the
+    preset as it stands, one rank alone on its host."""
+    utilization: float = 0.4
+    """The forward's and backward's share of the device's matmul peak (``LinkModel.device_tflops``)."""
+
+    @property
+    def compute_seconds(self) -> float:
+        """The forward and backward: ``6 N T`` FLOPs at ``utilization`` of the peak."""
+        link = LinkModel.preset(self.link)
+        return 6 * self.model.numel * self.tokens / (self.utilization * link.device_tflops * 1e12)
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationRow:
+    """A modeled iteration of one rank, forward start to forward start, unswapped and swapped both ways."""
+
+    name: str
+    world: int
+    tokens: int
+    optimizer: str
+    link: str
+    master_weights: bool
+    ranks_per_node: int
+    swap_times: int
+    compute_seconds: float
+    """The forward and backward alone."""
+    unswapped_seconds: float
+    """With every state (and master) on the device."""
+    after_backward_seconds: float
+    in_backward_seconds: float
+    transfer_bound_seconds: float
+    """Every swapped byte copied in and out once an iteration, both directions at once at the link's rate
+    (``LinkModel.concurrent_copy_seconds``): no iteration of a swapped optimizer is shorter than this or than the
+    unswapped one."""
+    swapped_bytes: int
+    """Bytes of state (and masters) copied each way an iteration."""
+
+    @property
+    def lower_bound_seconds(self) -> float:
+        """The larger of the unswapped iteration and the transfers' bound."""
+        return max(self.unswapped_seconds, self.transfer_bound_seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "lower_bound_seconds": self.lower_bound_seconds}
+
+
+def model_iteration(spec: IterationModel) -> IterationRow:
+    """Time ``spec``'s iteration unswapped, swapped after the backward and swapped inside it (each the last of
+    :data:`ITERATIONS` steady iterations, after the one that creates the states)."""
+    if not 1 <= spec.ranks_per_node <= spec.world:
+        raise ValueError(f"ranks_per_node must be in 1..world={spec.world}, got {spec.ranks_per_node}")
+    link = dataclasses.replace(LinkModel.preset(spec.link), ranks_sharing_host=spec.ranks_per_node)
+    unswapped, _ = _timed_loop(spec, link, None)
+    after_backward, _ = _timed_loop(spec, link, "after_backward")
+    in_backward, swapped_bytes = _timed_loop(spec, link, "in_backward")
+    return IterationRow(
+        name=spec.model.name,
+        world=spec.world,
+        tokens=spec.tokens,
+        optimizer=spec.optimizer.name,
+        link=spec.link,
+        master_weights=spec.master_weights,
+        ranks_per_node=spec.ranks_per_node,
+        swap_times=spec.swap_times,
+        compute_seconds=spec.compute_seconds,
+        unswapped_seconds=unswapped,
+        after_backward_seconds=after_backward,
+        in_backward_seconds=in_backward,
+        transfer_bound_seconds=link.concurrent_copy_seconds(swapped_bytes, swapped_bytes),
+        swapped_bytes=swapped_bytes,
+    )
+
+
+def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -> tuple[float, int]:
+    """The last iteration's seconds and the bytes its step copied in, unswapped (``step=None``) or swapped."""
+    backend = MetaBackend(link)
+    # Unswapped with master weights: the optimizer over the fp32 masters (the casts to and from them left out).
+    dtype = torch.bfloat16 if spec.master_weights and step is not None else torch.float32
+    layers = _layers(spec, dtype)
+    params = [param for layer, _ in layers for param in layer]
+    optimizer = spec.optimizer.build(params)
+    if step is None:
+
+        def run_step() -> None:
+            with backend.compute_scope():
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    else:
+        config = SwapConfig(backend=backend, swap_times=spec.swap_times, master_weights=spec.master_weights, step=step)
+        optimizer = swap_optimizer(optimizer, config)
+
+        def run_step() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step == "in_backward":
+                optimizer.prefetch()  # the next walk's first copy-in runs under the forward
+
+    seconds = modeled_iterations(
+        backend,
+        run_step,
+        forward_backward_seconds=spec.compute_seconds / 3,  # the forward; the backward models its layers
+        iterations=ITERATIONS + 1,
+        backward=lambda: _backward(backend, layers),
+    )
+    copied = getattr(optimizer, "stats", None)
+    return seconds[-1], 0 if copied is None else copied.h2d_bytes
+
+
+def _layers(spec: IterationModel, dtype: torch.dtype) -> list[tuple[list[torch.nn.Parameter], float]]:
+    """Rank 0's FSDP2 shards of the model's parameters (meta tensors), grouped by layer in forward order, each
+    group with its backward's seconds (two thirds of the compute, shared in proportion to the parameters)."""
+    groups: dict[str, list[tuple[int, ...]]] = {}
+    for name, shape in spec.model.parameter_shapes():
+        layer = re.match(r"model\.layers\.\d+\.", name)
+        groups.setdefault(layer.group(0) if layer else _outside_layers(name), []).append(shape)
+    backward_seconds = spec.compute_seconds * 2 / 3
+    layers = []
+    for shapes in groups.values():
+        params = [
+            torch.nn.Parameter(torch.empty(fsdp_shard_shape(shape, spec.world, 0), dtype=dtype, device="meta"))
+            for shape in shapes
+        ]
+        share = sum(_numel(shape) for shape in shapes) / spec.model.numel
+        layers.append(([param for param in params if param.numel() > 0], backward_seconds * share))
+    return layers
+
+
+def _outside_layers(name: str) -> str:
+    """The embedding's group, or the head's (the final norm and the output projection)."""
+    return "embedding" if "embed" in name else "head"
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _backward(backend: MetaBackend, layers: list[tuple[list[torch.nn.Parameter], float]]) -> None:
+    """An autograd backward through ``layers``: each layer's node models its seconds on the current stream, then
+    hands its parameters their gradients (the last layer's first, as a model's backward does)."""
+    hidden = torch.zeros((), device="meta")
+    for params, seconds in layers:
+        hidden = _LayerNode.apply(hidden, backend, seconds, *params)  # type: ignore[no-untyped-call]
+    torch.autograd.backward([hidden])
+
+
+class _LayerNode(torch.autograd.Function):
+    """Forward: nothing (the forward is modeled as a whole); backward: the layer's modeled compute, then
+    gradients of its parameters' shapes."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, backend: MetaBackend, seconds: float, *params: torch.Tensor) -> Any:
+        ctx.backend, ctx.seconds = backend, seconds
+        ctx.shapes = [(param.shape, param.dtype) for param in params]
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.backend.model_compute(ctx.seconds)
+        grads = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in ctx.shapes]
+        return grad, None, None, *grads
+
+
+def iteration_table(rows: Sequence[IterationRow]) -> str:
+    """``rows`` as a markdown table: the iteration each way, and the swapped ones over the lower bound."""
+    lines = [
+        "| model | world | tokens a rank | masters | ranks a host | batches | unswapped | after the backward | "
+        "inside the backward | transfers' bound | inside / lower bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.name} | {row.world} | {row.tokens:,} | {'yes' if row.master_weights else 'no'} | "
+            f"{row.ranks_per_node} | {row.swap_times} | {row.unswapped_seconds * 1e3:.1f} ms | "
+            f"{row.after_backward_seconds * 1e3:.1f} ms ({row.after_backward_seconds / row.unswapped_seconds:.3f} x) | "
+            f"{row.in_backward_seconds * 1e3:.1f} ms ({row.in_backward_seconds / row.unswapped_seconds:.3f} x) | "
+            f"{row.transfer_bound_seconds * 1e3:.1f} ms | {row.in_backward_seconds / row.lower_bound_seconds:.3f} x |"
+        )
+    return "\n".join(lines)
+
+
+def documented_models() -> list[IterationModel]:
+    """The rows of docs/step-in-backward.md: a llama-7b rank with AdamW on PCIe 5 at its achievable rates, 8
+    batches (16 at world 1), 40% of the peak: at world 8 with 4k and 64k tokens, with and without master weights,
+    one and eight ranks a host; at world 1 with master weights, where the link cannot keep up."""
+    llama, adamw, link = MODELS["llama-7b"], OPTIMIZERS["adamw"], "pcie5-achievable"
+    return [
+        IterationModel(llama, 8, 4096, adamw, link, swap_times=8),
+        IterationModel(llama, 8, 4096, adamw, link, swap_times=8, master_weights=True),
+        IterationModel(llama, 8, 65536, adamw, link, swap_times=8),
+        IterationModel(llama, 8, 4096, adamw, link, swap_times=8, master_weights=True, ranks_per_node=8),
+        IterationModel(llama, 1, 4096, adamw, link, swap_times=16, master_weights=True),
+    ]
