@@ -100,10 +100,12 @@ if [[ "$backend" == sim ]]; then
 else
     bench_args="${SWAP_CHECK_BENCH_ARGS:---repeats 7}"
 fi
-# One parity test per family, one schedule each (plus RMSprop per tensor: the other layout's stream ordering).
+# One parity test per family, one schedule each (plus RMSprop per tensor: the other layout's stream ordering, and
+# RMSprop stepping inside the backward: updates issued from gradient hooks).
 sanitized_tests=(
     "packages/swap-core/tests/test_rmsprop_conformance.py::test_conformance_parity[lazy0-on-on-rmsprop]"
     "packages/swap-core/tests/test_rmsprop_conformance.py::test_conformance_parity[lazy0-off-on-rmsprop]"
+    "packages/swap-core/tests/test_rmsprop_conformance.py::test_conformance_options[lazy0-step=in_backward-rmsprop]"
     "packages/swap-adam/tests/test_adam_conformance.py::test_conformance_parity[lazy0-on-on-adam]"
     "packages/swap-muon/tests/test_muon_conformance.py::test_conformance_parity[lazy0-on-on-muon_defaults]"
     "packages/swap-generic/tests/test_generic_conformance.py::test_conformance_parity[lazy0-on-on-sgd_momentum]"

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map, tree_map_only
 
 from swap_ckpt import AppState, load_checkpoint
 from swap_core import SwapConfig, swap_optimizer
+from swap_core.config import StepMode
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 
@@ -65,14 +66,19 @@ def shard(model: torch.nn.Sequential, world_size: int, *, replicas: int = 1) -> 
 
 
 def adamw(
-    model: torch.nn.Module, *, swapped: bool, seed: int = 0, master_weights: bool = False
+    model: torch.nn.Module,
+    *,
+    swapped: bool,
+    seed: int = 0,
+    master_weights: bool = False,
+    step: StepMode = "after_backward",
 ) -> torch.optim.Optimizer:
     """AdamW, swapped through a random-order simulated accelerator (the 16-element bias stays resident)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     if not swapped:
         return optimizer
     backend = SimBackend(mode="random", seed=seed)
-    config = SwapConfig(backend=backend, swap_times=2, min_numel=32, master_weights=master_weights)
+    config = SwapConfig(backend=backend, swap_times=2, min_numel=32, master_weights=master_weights, step=step)
     return swap_optimizer(optimizer, config)
 
 
@@ -109,6 +115,8 @@ class Layout:
     master_weights: bool = False
     options: StateDictOptions | None = None
     """The state-dict options of every save and load (``None``: DCP's defaults)."""
+    step: StepMode = "after_backward"
+    """Where the swapped optimizer's batches update (``SwapConfig.step``)."""
 
     def build(
         self, rank: int, *, swapped: bool = True, world_size: int | None = None
@@ -118,7 +126,7 @@ class Layout:
         replicas = self.replicas if world_size is None else 1
         model = shard(build_layers().to(self.dtype), world_size or self.world_size, replicas=replicas)
         master_weights = self.master_weights and swapped
-        return model, adamw(model, swapped=swapped, seed=rank, master_weights=master_weights)
+        return model, adamw(model, swapped=swapped, seed=rank, master_weights=master_weights, step=self.step)
 
     def app(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The state dict DCP saves and loads: one :class:`~swap_ckpt.AppState` in this layout's form."""
@@ -143,6 +151,9 @@ HSDP = Layout("hsdp", 4, replicas=2)
 FSDP_FLATTENED = Layout("fsdp-flattened", 2, options=FLATTENED)
 FSDP_MASTERS = Layout("fsdp-bf16-masters", 2, dtype=torch.bfloat16, master_weights=True)
 HSDP_MASTERS = Layout("hsdp-bf16-masters", 4, replicas=2, dtype=torch.bfloat16, master_weights=True)
+FSDP_MASTERS_IN_BACKWARD = Layout(
+    "fsdp-bf16-masters-in-backward", 2, dtype=torch.bfloat16, master_weights=True, step="in_backward"
+)
 
 
 def train_save_and_record(

@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from ckpt_training import (
     FSDP_MASTERS,
+    FSDP_MASTERS_IN_BACKWARD,
     HSDP_MASTERS,
     LR,
     Layout,
@@ -77,6 +78,9 @@ def _first_world(rank: int, world_size: int, directory: Path, layout: Layout) ->
             master = local_tensor(optimizer.state[param][MASTER_KEY])
             assert master.dtype == torch.float32 and master.shape == local_tensor(param).shape
             assert sim.owns(master) == (param.numel() < MIN_NUMEL), (rank, step, tuple(param.shape))
+        stats = optimizer.stats  # type: ignore[attr-defined]
+        if layout.step == "in_backward":  # the first step, and the first after the load, create or take in states
+            assert stats.batches_in_backward == (stats.batches if step > 0 else 0), (rank, step, stats)
 
     model, optimizer, at_save = train_save_and_record(layout, rank, directory, after_step=beside_the_reference)
     params = list(model.parameters())
@@ -154,3 +158,14 @@ def test_hsdp_bf16_master_weights_train_and_resume(tmp_path: Path) -> None:
     """HSDP over a 2 x 2 mesh (2 replicas of 2 shards): the masters are sharded and replicated like the weights."""
     run_distributed(_first_world, HSDP_MASTERS.world_size, tmp_path, HSDP_MASTERS)
     run_distributed(_second_world, HSDP_MASTERS.world_size, tmp_path, HSDP_MASTERS)
+
+
+def _second_world_resumes(rank: int, world_size: int, directory: Path, layout: Layout) -> None:
+    resume_bitwise(layout, rank, directory, loader=_dcp_load)
+
+
+def test_fsdp2_bf16_master_weights_updated_inside_the_backward_train_and_resume(tmp_path: Path) -> None:
+    """The batches update inside the backward, from the hooks FSDP2 runs after each reduce-scatter: bitwise the
+    reference after every step, and a DCP checkpoint resumes bitwise in new processes."""
+    run_distributed(_first_world, FSDP_MASTERS_IN_BACKWARD.world_size, tmp_path, FSDP_MASTERS_IN_BACKWARD)
+    run_distributed(_second_world_resumes, FSDP_MASTERS_IN_BACKWARD.world_size, tmp_path, FSDP_MASTERS_IN_BACKWARD)

@@ -7,7 +7,7 @@ began inside the backward has copied its batches in already.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -122,6 +122,50 @@ def test_a_prefetch_after_step_brings_the_first_batch_in_for_the_walk_in_the_nex
         copies_before = sim.copy_stats.h2d_copies  # of the state would drop it
         optimizer.prefetch()
         assert optimizer.prefetched and sim.copy_stats.h2d_copies > copies_before, step
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_hooks_under_another_stream_update_on_the_steps_stream_after_the_gradients_writes(packed: bool) -> None:
+    """FSDP2 runs the post-accumulate-grad hooks under its post-reduce stream, where the reduce-scatter that wrote
+    the gradient may still run. Here the backward runs under a side stream and each gradient is rewritten there
+    first (lazy: still queued when the hook runs). The batches update on the steps' stream, ordered after it
+    (without the wait the race checker reports the update's read), and stage there: the side stream's pool takes
+    no staging, so the reserved memory stays flat."""
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model)
+    sim = SimBackend(mode="lazy")
+    post_reduce = sim.new_stream()
+    for param in model.parameters():  # before the optimizer's hooks: the "reduce-scatter" writes the gradient
+        param.register_post_accumulate_grad_hook(_rewritten_under(sim))  # type: ignore[no-untyped-call]
+    optimizer = _in_backward(model, sim, packed=packed)
+    reserved = []
+    for step in range(STEPS):
+        _forward(plain_model, _inputs(step)).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        with sim.stream(post_reduce):
+            _forward(model, _inputs(step)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert optimizer.stats.batches_in_backward == (3 if step > 0 else 0), step
+        with sim.compute_scope():  # the next forward reads the parameters on the steps' stream
+            for param in model.parameters():
+                param.detach().sum()
+        sim.synchronize()
+        reserved.append(sim.memory_reserved())
+        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+    assert not sim.races, sim.races
+    assert reserved[2:] == reserved[1:-1], f"the staging took blocks of the hooks' stream's pool: {reserved}"
+
+
+def _rewritten_under(sim: SimBackend) -> Callable[[torch.Tensor], None]:
+    def rewrite(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        sim.adopt(param.grad)  # device memory, as a reduce-scatter's output is
+        with sim.compute_scope():
+            param.grad.copy_(param.grad.clone())  # a write on the hook's (the current) stream
+
+    return rewrite
 
 
 def test_accumulated_micro_batches_update_once_in_the_last_backward() -> None:

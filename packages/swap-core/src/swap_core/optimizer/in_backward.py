@@ -34,7 +34,6 @@ from ..adapters.base import StateSwapAdapter, UpdateBatch
 from ..errors import SwapStateError
 from ..nesting import NestedFlag
 from ..runtime.batch_walk import BatchWalk
-from ..runtime.dtensor import shard_layout
 from ..runtime.plan import SwapPlan
 from ..stats import SwapStats
 from ..user_warnings import warn_user
@@ -47,10 +46,6 @@ __all__ = ["InBackwardStep", "check_in_backward_supported"]
 
 def check_in_backward_supported(adapter: StateSwapAdapter, params: list[torch.Tensor]) -> None:
     """Refuse, before anything changes, what ``step="in_backward"`` does not support yet, naming the way out."""
-    if any(shard_layout(param) is not None for param in params):
-        raise ValueError(
-            "SwapConfig(step='in_backward') does not support DTensor (FSDP2) parameters yet; use step='after_backward'"
-        )
     if adapter.partition_costs(params) is not None:
         raise ValueError(
             f"SwapConfig(step='in_backward') cannot run {type(adapter).__name__}: every rank walks all its batches "
@@ -133,8 +128,12 @@ class InBackwardStep:
                 self._gave_up = True
                 return
         walk, scheduler = started.walk, self._sync.scheduler
+        ordered = False
         with scheduler.working(), torch.no_grad():  # a backward with create_graph=True records its ops
             while (batch := walk.next_batch) is not None and self._ready(batch.params):
+                if not ordered:
+                    self._order_after_the_hooks_stream()
+                    ordered = True
                 try:
                     scheduler.advance_walk(started.plan, walk)
                 except BaseException:
@@ -190,6 +189,14 @@ class InBackwardStep:
                 UserWarning,
             )
 
+    def _order_after_the_hooks_stream(self) -> None:
+        """Order the steps' stream after the stream this hook runs under, when they differ: FSDP2 runs the hooks
+        under its post-reduce stream, where the reduce-scatter that wrote the gradient may still be running."""
+        backend, steps_stream = self._sync.backend, self._sync.scheduler.compute
+        hooks_stream = backend.compute_stream()
+        if hooks_stream != steps_stream:
+            backend.wait_event(steps_stream, backend.record_event(hooks_stream))
+
     def _ready(self, params: list[tuple[int, torch.Tensor]]) -> bool:
         final = self._final
         return all(id(param) in final for _, param in params if param.requires_grad)
@@ -207,7 +214,8 @@ class InBackwardStep:
                 return None
         scope = contextlib.ExitStack()
         try:
-            with sync.scheduler.working():
+            # On the stream the steps run on, not the hook's (FSDP2's post-reduce stream): the staging belongs there.
+            with sync.scheduler.working(), sync.backend.stream(sync.scheduler.compute):
                 run = StepRun(sync, plans, self._update)
                 run.begin_in_backward()
                 scope.enter_context(sync.adapter.step_scope())

@@ -173,7 +173,7 @@ class StepRun:
                 if grad.is_sparse:
                     raise _sparse_gradient(group_index, param)
                 adopt(_local_grad(grad))
-                self._applied[id(param)] = (param, grad, tensor_version(grad))
+                self._applied[id(param)] = (param, grad, tensor_version(_local_grad(grad)))
         self.update(batch)
 
     def applied(self, param: torch.Tensor) -> bool:
@@ -185,7 +185,7 @@ class StepRun:
         return [
             param
             for param, grad, version in self._applied.values()
-            if param.grad is not grad or tensor_version(grad) != version
+            if param.grad is not grad or tensor_version(_local_grad(grad)) != version
         ]
 
     # -- a failed step ------------------------------------------------------------------

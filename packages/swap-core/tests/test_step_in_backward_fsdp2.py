@@ -1,0 +1,85 @@
+"""``SwapConfig(step="in_backward")`` under FSDP2 on 2 gloo ranks: FSDP2 runs the post-accumulate-grad hooks of the
+sharded parameters after their reduce-scatter, every batch updates inside the backward from the second step on,
+and the result is bitwise the plain FSDP2 optimizer stepping after it, with gradient accumulation too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+from swap_core.testing.distributed import run_distributed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
+
+WIDTH = 16
+STEPS = 4
+MICRO_BATCHES = 2
+
+
+def _sharded_model(mesh: object) -> torch.nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+    return model
+
+
+def _backward(model: torch.nn.Module, step: int, micro_batch: int, rank: int) -> None:
+    seed = 1000 * step + 10 * micro_batch + rank
+    model(torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(seed))).square().mean().backward()
+
+
+def _in_backward_under_fsdp2(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for packed in (True, False):
+        plain_model, model = _sharded_model(mesh), _sharded_model(mesh)
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+        sim = SimBackend(mode="random", seed=rank)
+        config = SwapConfig(backend=sim, swap_times=3, min_numel=16, step="in_backward", packed=packed)
+        swapped = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+        for step in range(STEPS):
+            _train_step(plain, plain_model, swapped, model, step, rank)
+            where = f"rank {rank}, {'packed' if packed else 'per tensor'}, step {step}"
+            stats = swapped.stats
+            assert stats.batches == 3 and stats.batches_in_backward == (3 if step > 0 else 0), (where, stats)
+            for index, (expected, actual) in enumerate(zip(plain_model.parameters(), model.parameters(), strict=True)):
+                assert_bitwise_equal(expected, actual, f"{where}, parameter {index}")
+        assert_state_dicts_equal(plain.state_dict(), swapped.state_dict(), f"rank {rank}: optimizer states")
+        assert not sim.races, sim.races
+    dist.barrier()
+
+
+def _train_step(
+    plain: torch.optim.Optimizer,
+    plain_model: torch.nn.Module,
+    swapped: SwapOptimizer,
+    model: torch.nn.Module,
+    step: int,
+    rank: int,
+) -> None:
+    """Odd steps accumulate two micro-batches (the first inside ``accumulating()``), even steps take one."""
+    micro_batches = MICRO_BATCHES if step % 2 else 1
+    for micro_batch in range(micro_batches):
+        _backward(plain_model, step, micro_batch, rank)
+    plain.step()
+    plain.zero_grad(set_to_none=True)
+    with swapped.accumulating():
+        for micro_batch in range(micro_batches - 1):
+            _backward(model, step, micro_batch, rank)
+    _backward(model, step, micro_batches - 1, rank)
+    swapped.step()
+    swapped.zero_grad(set_to_none=True)
+
+
+def test_fsdp2_hooks_update_every_batch_inside_the_backward_bitwise_the_plain_optimizer() -> None:
+    run_distributed(_in_backward_under_fsdp2, 2)
