@@ -11,23 +11,11 @@ import torch.distributed as dist
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
-from swap_core.testing.distributed import run_distributed
+from swap_core.testing.distributed import fsdp2_linears, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
 
 WIDTH = 16
-
-
-def _sharded_model(mesh: object) -> torch.nn.Sequential:
-    from torch.distributed.fsdp import fully_shard
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)  # type: ignore[arg-type]
-    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
-    return model
 
 
 def _backward(model: torch.nn.Module, step: int, rank: int) -> None:
@@ -39,7 +27,7 @@ def _fsdp2_backward_prefetch(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
-    plain_model, model = _sharded_model(mesh), _sharded_model(mesh)
+    plain_model, model = fsdp2_linears(mesh, WIDTH), fsdp2_linears(mesh, WIDTH)
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     config = SwapConfig(backend=SimBackend(mode="random", seed=rank), swap_times=2, min_numel=16, prefetch="backward")
     swapped = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config)

@@ -11,25 +11,13 @@ import torch.distributed as dist
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
-from swap_core.testing.distributed import run_distributed
+from swap_core.testing.distributed import fsdp2_linears, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.sim_only]
 
 WIDTH = 16
 STEPS = 4
 MICRO_BATCHES = 2
-
-
-def _sharded_model(mesh: object) -> torch.nn.Sequential:
-    from torch.distributed.fsdp import fully_shard
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)  # type: ignore[arg-type]
-    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
-    return model
 
 
 def _backward(model: torch.nn.Module, step: int, micro_batch: int, rank: int) -> None:
@@ -42,7 +30,7 @@ def _in_backward_under_fsdp2(rank: int, world_size: int) -> None:
 
     mesh = init_device_mesh("cpu", (world_size,))
     for packed in (True, False):
-        plain_model, model = _sharded_model(mesh), _sharded_model(mesh)
+        plain_model, model = fsdp2_linears(mesh, WIDTH), fsdp2_linears(mesh, WIDTH)
         plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
         sim = SimBackend(mode="random", seed=rank)
         config = SwapConfig(backend=sim, swap_times=3, min_numel=16, step="in_backward", packed=packed)

@@ -33,6 +33,7 @@ __all__ = [
     "DistributedTestError",
     "ProcessGroupLeakError",
     "destroy_process_groups",
+    "fsdp2_linears",
     "initialized_process_group",
     "run_distributed",
 ]
@@ -114,3 +115,17 @@ def _worker(rank: int, world_size: int, port: int, body: RankBody, args: tuple[A
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None
+
+
+def fsdp2_linears(mesh: Any, width: int, layers: int = 4) -> torch.nn.Sequential:
+    """``layers`` ``Linear(width, width)`` seeded alike on every rank (and every call), each and the whole sharded
+    with FSDP2 over ``mesh``: the model of the FSDP2 gradient-hook tests."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
