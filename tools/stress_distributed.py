@@ -28,6 +28,7 @@ DISTRIBUTED_TESTS = (
     "packages/swap-core/tests/test_dtensor.py",
     "packages/swap-core/tests/test_distributed_teardown.py",
     "packages/swap-core/tests/test_prefetch_backward_fsdp2.py",
+    "packages/swap-core/tests/test_step_in_backward_fsdp2.py",
     "packages/swap-muon/tests/test_distributed_muon.py",
     "packages/swap-ckpt/tests",
     "integration-tests/test_ckpt_torchrun.py",
