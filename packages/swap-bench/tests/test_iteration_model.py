@@ -3,6 +3,8 @@
 Deterministic (the virtual clock), so the goals are asserted: at world 8 on PCIe 5's achievable rates the swapped
 iteration stays within 1.03 x the unswapped one at 4k tokens a rank, 1.05 x with master weights, 1.005 x at 64k.
 Planted extra waits (updates held back to ``step()``; each copy-in behind the copy-out before it) break them.
+Where the link cannot keep up (world 1 with master weights), the iteration is within 1.05 x of the transfers'
+bound; the goal of 1.03 x is not met yet (a strict xfail).
 The table of docs/step-in-backward.md is what :func:`~swap_bench.iteration.model_iteration` gives today.
 """
 
@@ -41,14 +43,22 @@ def test_the_iteration_inside_the_backward_is_within_the_goal_of_the_unswapped_o
     assert row.after_backward_seconds > goal * row.unswapped_seconds, "the goal is one the step after it misses"
 
 
+def test_where_the_link_cannot_keep_up_the_iteration_is_within_5_percent_of_the_transfers_bound() -> None:
+    """World 1 with master weights: 81 GB each way. Each copy-in waits only for its own batch's last copy-out, so
+    the next walk's first batch, prefetched after step(), comes in while the last ones still go out (1.072 x while
+    that copy-in waited for the step's last copy-out)."""
+    row = model_iteration(WORLD_1_MASTERS)
+    assert row.transfer_bound_seconds > row.unswapped_seconds, "the transfers bind"
+    assert row.in_backward_seconds <= 1.05 * row.lower_bound_seconds, row
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="not met yet: each batch's copy-in is issued when the batch before it updates, one batch ahead, so "
-    "a link slower than the backward leaves the forward's time unused (1.072 x)",
+    reason="not met yet (1.044 x): with two staging buffers a batch's copy-in waits for the copy-out of the batch "
+    "two before, which begins only after that batch's update, so the link idles in one direction during updates",
 )
 def test_where_the_link_cannot_keep_up_the_iteration_is_within_3_percent_of_the_transfers_bound() -> None:
     row = model_iteration(WORLD_1_MASTERS)
-    assert row.transfer_bound_seconds > row.unswapped_seconds, "the transfers bind"
     assert row.in_backward_seconds <= 1.03 * row.lower_bound_seconds, row
 
 

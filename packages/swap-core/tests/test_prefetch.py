@@ -157,3 +157,25 @@ def test_prefetch_before_a_modeled_backward_takes_the_first_copy_off_the_step() 
     without, with_prefetch = times[False][0], times[True][0]
     assert without is not None and with_prefetch is not None
     assert without - with_prefetch == pytest.approx(first_copy, rel=0.05), times
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_a_prefetch_right_after_step_overlaps_the_steps_last_copy_out(packed: bool) -> None:
+    """On the virtual clock: a prefetch issued as soon as ``step()`` returns waits only for the copy-out of its own
+    batch (its host mirror), not for the step's last one, so it copies in while that one still copies out (the
+    staging was released, and nothing else is shared). An extra wait for the last copy-out fails here."""
+    sim = SimBackend(mode="lazy", check_races=True, timing=LinkModel.preset("pcie5-achievable"))
+    params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(6)]
+    swapped = swap_optimizer(torch.optim.AdamW(params, lr=1e-3), SwapConfig(backend=sim, swap_times=3, packed=packed))
+    for step in range(3):
+        for param in params:
+            param.grad = torch.full_like(param, 0.5 + step)
+        swapped.step()
+        last_copy_out_ends = sim.modeled_times()
+        swapped.prefetch()
+        after = sim.modeled_times()
+        assert last_copy_out_ends is not None and after is not None and after.transfers_started is not None
+        if step > 0:  # the first step creates the states: nothing to prefetch before it
+            assert after.transfers_started < last_copy_out_ends.transfers, (step, last_copy_out_ends, after)
+    swapped.step()
+    assert not sim.races, sim.races

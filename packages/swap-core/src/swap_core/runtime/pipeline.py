@@ -70,6 +70,11 @@ class PipelineScheduler:
         self.h2d = backend.new_stream()
         self.d2h = backend.new_stream() if duplex else self.h2d
         self._last_offload: Event | None = None
+        self._offloads: dict[int, Event] = {}
+        """The copy-out of each batch of the walk under way or last run (by batch index)."""
+        self._earlier_offloads: dict[int, Event] = {}
+        """Copy-outs of earlier steps of the same plan that a copy-in of their batch has not waited for yet."""
+        self._staging_kept = False
         self._in_flight: SwapPlan | None = None
         """The plan whose last offloads may still be running: it keeps their host buffers alive until the host has
         waited for them (:meth:`synchronize`), whatever else lets go of them (see :func:`drain_in_flight_copies`)."""
@@ -91,7 +96,7 @@ class PipelineScheduler:
         if self._early is not None or not plan.batches or self._walking:
             return
         self.compute = self.backend.compute_stream()
-        self._settle()
+        self._settle(plan)
         plan.staging.acquire()
         counted = SwapStats()
         try:
@@ -120,7 +125,7 @@ class PipelineScheduler:
         self.compute = self.backend.compute_stream()
         self._timeline = _Timeline(self.backend, self.compute) if trace is not None else None
         early = self._take_early(plan)
-        self._settle()
+        self._settle(plan)
         batches = [
             batch for batch in plan.batches if batch.index not in skip or (early is not None and batch.index == 0)
         ]
@@ -141,7 +146,7 @@ class PipelineScheduler:
         self.compute = self.backend.compute_stream()
         self._timeline = None
         early = self._take_early(plan)
-        self._settle()
+        self._settle(plan)
         plan.staging.acquire()
         with self._recover_on_error(plan):
             prefetched = _counted(early, stats)
@@ -187,6 +192,7 @@ class PipelineScheduler:
         """The last offloads still read their staging memory: it is freed stream-ordered behind them, so the compute
         stream (the next forward) does not wait for them."""
         plan.staging.release_after_walk(batches, in_use_on=self.d2h, keep=keep_staging)
+        self._staging_kept = keep_staging
 
     def _finish_trace(self, trace: StepTrace | None) -> None:
         if trace is not None and self._timeline is not None:
@@ -223,6 +229,7 @@ class PipelineScheduler:
         if self._last_offload is not None:
             self._last_offload.synchronize()
             self._last_offload = None
+        self._offloads, self._earlier_offloads = {}, {}
         self._in_flight = None
         self._finish_offloads()
 
@@ -240,6 +247,9 @@ class PipelineScheduler:
         with _profiler_range("swap::prefetch"):
             # Fresh device memory belongs to the compute stream until the copy stream waits for it.
             self._after_compute(self.h2d)
+            earlier = self._earlier_offloads.pop(batch.index, None)
+            if earlier is not None:  # its host mirror is written by an earlier step's copy-out
+                self.backend.wait_event(self.h2d, earlier)
             started = self._mark(self.h2d)
             nbytes = 0
             for position, (host, device) in enumerate(batch.transfers):
@@ -287,6 +297,7 @@ class PipelineScheduler:
             self._offloaded.extend(batch.slots)
             self._span(batch, "d2h", started, self.d2h, nbytes)
             done = self.backend.record_event(self.d2h)
+            self._offloads[batch.index] = done
             return Offloaded(front if front is not None else done, done)
 
     def _mark(self, stream: Stream) -> Event | None:
@@ -321,12 +332,17 @@ class PipelineScheduler:
         plan.staging.release(plan.batches[:1], in_use_on=self.h2d)
 
     # -- between steps --------------------------------------------------------
-    def _settle(self) -> None:
-        """Order this step's prefetches after the previous step's offloads."""
+    def _settle(self, plan: SwapPlan) -> None:
+        """Order this step's copy-ins after the previous step's offloads: each after its own batch's, when ``plan``
+        is the plan of those offloads and their staging was released (a copy-in then overwrites no memory another
+        copy-out reads but its batch's host mirror); else all after the last one."""
         self._retry_stranded(final=True)
-        if self._last_offload is not None:
+        if self._offloads and plan is self._in_flight and not self._staging_kept:
+            self._earlier_offloads.update(self._offloads)
+        elif self._last_offload is not None:
             self.backend.wait_event(self.h2d, self._last_offload)
-            self._last_offload = None
+            self._earlier_offloads = {}
+        self._offloads = {}
         self._finish_offloads()
 
     def _finish_offloads(self) -> None:
