@@ -218,6 +218,84 @@ def test_a_gradient_clipped_after_the_backward_is_refused_at_step() -> None:
     optimizer.step()
 
 
+@pytest.mark.parametrize("how", ["scheduler", "pre_hook", "tensor_in_place"])
+def test_hyperparameters_changed_before_step_are_refused_after_a_step_with_the_values_it_began_with(how: str) -> None:
+    """An LR scheduler stepped before the optimizer, a step pre-hook that sets ``lr``, or a tensor ``lr`` written in
+    place: the batches inside the backward already used the old value. The step ends with it throughout (bitwise
+    the plain optimizer at the old value), step() refuses naming the change, and the new value applies from the
+    next step."""
+    tensor_lr = how == "tensor_in_place"
+    plain_model, model = _model(), _model()
+    plain = _rmsprop_with_lr(plain_model, tensor_lr=tensor_lr)
+    optimizer = swap_optimizer(
+        _rmsprop_with_lr(model, tensor_lr=tensor_lr),
+        SwapConfig(backend=SimBackend(mode="random", seed=7), swap_times=3, min_numel=32, step="in_backward"),
+    )
+    scheduler, _ = (torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in (optimizer, plain))
+    for step in range(4):
+        # At step 2 the first weight gets no gradient: its batch is left to step(), which must use the old value.
+        loss = _without_the_first_weight if step == 2 else _forward
+        loss(plain_model, _inputs(step)).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        loss(model, _inputs(step)).backward()
+        if step == 2:
+            if how == "scheduler":
+                scheduler.step()  # before optimizer.step(): its lr is for this step
+            elif how == "pre_hook":
+                optimizer.register_step_pre_hook(_halving_lr_once())
+            else:
+                optimizer.param_groups[0]["lr"].fill_(0.005)
+            with pytest.raises(SwapStateError, match=r"param_groups\[0\]\['lr'\]: .* -> .*with SwapConfig\(step="):
+                optimizer.step()
+            for group in plain.param_groups:  # the plain twin takes the new value after this step
+                _set_lr(group, 0.005)
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"{how} step {step}")
+    assert _lr(optimizer.param_groups[0]) == pytest.approx(0.005)
+
+
+def _without_the_first_weight(model: torch.nn.Sequential, inputs: torch.Tensor) -> torch.Tensor:
+    """The first layer's weight detached: no gradient for it, one for its bias (in the same batch)."""
+    first = model[0]
+    assert isinstance(first, torch.nn.Linear)
+    hidden = torch.nn.functional.linear(inputs, first.weight.detach(), first.bias)
+    for layer in list(model)[1:]:
+        hidden = layer(hidden)
+    return hidden.square().mean()
+
+
+def _rmsprop_with_lr(model: torch.nn.Module, *, tensor_lr: bool) -> torch.optim.Optimizer:
+    lr: float | torch.Tensor = torch.tensor(0.01) if tensor_lr else 0.01
+    return torch.optim.RMSprop(model.parameters(), lr=lr, momentum=0.9)
+
+
+def _halving_lr_once() -> Callable[..., None]:
+    def halve(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if not done:
+            done.append(True)
+            for group in optimizer.param_groups:
+                group["lr"] = 0.005
+
+    done: list[bool] = []
+    return halve
+
+
+def _set_lr(group: dict[str, object], value: float) -> None:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr.fill_(value)
+    else:
+        group["lr"] = value
+
+
+def _lr(group: dict[str, object]) -> float:
+    lr = group["lr"]
+    return float(lr) if isinstance(lr, torch.Tensor) else lr  # type: ignore[arg-type]
+
+
 def test_the_state_is_refused_between_a_backward_that_updated_batches_and_step() -> None:
     """Some batches already stepped: a checkpoint or a read then would mix two steps. Refused, and the step then
     ends as if nothing happened."""

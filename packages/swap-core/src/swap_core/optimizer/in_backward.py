@@ -37,6 +37,7 @@ from ..runtime.batch_walk import BatchWalk
 from ..runtime.plan import SwapPlan
 from ..stats import SwapStats
 from ..user_warnings import warn_user
+from .group_snapshot import GroupSnapshot
 from .plan_cache import PlanCache
 from .state_sync import StateSync
 from .step_run import StepRun
@@ -63,6 +64,8 @@ class _Started:
     walk: BatchWalk
     stats: SwapStats
     scope: contextlib.ExitStack
+    groups: GroupSnapshot
+    """The hyperparameters the batches updated with."""
 
 
 class InBackwardStep:
@@ -152,13 +155,23 @@ class InBackwardStep:
         if started is None:
             self._warn_of_stateless_params()
             return None
+        changed = started.groups.changes(sync.param_groups)
         try:
-            keep_staging = sync.config.keep_staging
-            sync.scheduler.end_walk(started.plan, started.walk, started.stats, keep_staging=keep_staging)
+            with started.groups.in_place(sync.param_groups):  # the rest of the step as it began
+                keep_staging = sync.config.keep_staging
+                sync.scheduler.end_walk(started.plan, started.walk, started.stats, keep_staging=keep_staging)
             edited = started.run.edited_gradients()
         finally:
             started.scope.close()
             started.run.release()
+        if changed:
+            raise SwapStateError(
+                f"{len(changed)} hyperparameter(s) changed between the backward that updated "
+                f"{started.stats.batches_in_backward} batch(es) and step() ({changed[0]}): with "
+                "SwapConfig(step='in_backward') those batches used the values the backward began with, and so did "
+                "the rest of this step; the new values apply from the next step. Change them after step() (step "
+                "LR schedulers after opt.step(); no step pre-hook that sets them), or use step='after_backward'"
+            )
         if edited:
             raise SwapStateError(
                 f"{len(edited)} gradient(s) changed after their batch updated inside the backward (e.g. the first "
@@ -226,7 +239,7 @@ class InBackwardStep:
         except BaseException:
             scope.close()
             raise
-        self._started = _Started(run, plan, walk, stats, scope)
+        self._started = _Started(run, plan, walk, stats, scope, GroupSnapshot(sync.param_groups))
         return self._started
 
     def _abandon(self) -> None:
