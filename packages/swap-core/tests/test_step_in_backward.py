@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,6 +167,127 @@ def _rewritten_under(sim: SimBackend) -> Callable[[torch.Tensor], None]:
             param.grad.copy_(param.grad.clone())  # a write on the hook's (the current) stream
 
     return rewrite
+
+
+def test_freed_gradients_lower_the_peak_of_gradients_and_staging_and_stay_bitwise() -> None:
+    """``free_gradients=True``: each batch's gradients go once its update is issued inside the backward, so the
+    peak of gradient bytes plus device bytes (staging, resident states) during an iteration, measured at every
+    gradient hook and around ``step()``, drops below the same mode keeping them, and below stepping after the
+    backward. The parameters read ``None`` after the backward; the result stays bitwise."""
+    peaks = {}
+    for name, options in (
+        ("after_backward", {"step": "after_backward"}),
+        ("in_backward", {"step": "in_backward"}),
+        ("in_backward, freed", {"step": "in_backward", "free_gradients": True}),
+    ):
+        plain_model, model = _deep_model(), _deep_model()
+        plain = _rmsprop(plain_model)
+        sim = SimBackend(mode="random", seed=8)
+        meter = _GradientAndDeviceMeter(sim, list(model.parameters()))
+        config = SwapConfig(backend=sim, swap_times=DEPTH, min_numel=16, **options)  # type: ignore[arg-type]
+        optimizer = swap_optimizer(_rmsprop(model), config)
+        meter.after_the_optimizers_hooks()
+        for step in range(STEPS):
+            _forward(plain_model, _inputs(step)).backward()
+            plain.step()
+            plain.zero_grad(set_to_none=True)
+            meter.start()
+            _forward(model, _inputs(step)).backward()
+            gradient_bytes = 4 * sum(param.numel() for param in model.parameters())
+            if name.endswith("freed") and step > 0:
+                assert all(param.grad is None for param in model.parameters()), "every batch freed its gradients"
+            meter.around(optimizer.step)
+            optimizer.zero_grad(set_to_none=True)
+            _assert_same(plain_model, model, plain, optimizer, f"{name} step {step}")
+        peaks[name] = meter.peak
+    # One layer's gradients a batch: all but the two batches staged at a time are freed when the peak comes.
+    assert peaks["in_backward"] - peaks["in_backward, freed"] >= gradient_bytes * (DEPTH - 3) // DEPTH, peaks
+    assert peaks["in_backward, freed"] < peaks["after_backward"], peaks
+    saved = peaks["in_backward"] - peaks["in_backward, freed"]
+    quoted = (
+        f"It is {peaks['after_backward']:,} bytes after the backward and inside it, and "
+        f"{peaks['in_backward, freed']:,} bytes with the gradients freed. That saves {saved:,} of the "
+        f"{gradient_bytes:,} gradient bytes."
+    )
+    page = " ".join((Path(__file__).resolve().parents[3] / "docs/step-in-backward.md").read_text().split())
+    assert peaks["in_backward"] == peaks["after_backward"] and quoted in page, f"the page should say: {quoted}"
+
+
+DEPTH = 8
+
+
+def _deep_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), *(torch.nn.Linear(32, 32) for _ in range(DEPTH - 2)), torch.nn.Linear(32, 16)
+    )
+
+
+def test_freed_gradients_under_another_stream_are_kept_until_step_with_a_warning() -> None:
+    """Hooks under another stream than the steps' (FSDP2's post-reduce stream): freeing a gradient there would hand
+    its memory back to that stream's pool before the update on the steps' stream read it, so it is kept."""
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model)
+    sim = SimBackend(mode="lazy")
+    side = sim.new_stream()
+    optimizer = _in_backward(model, sim, free_gradients=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            _forward(plain_model, _inputs(step)).backward()
+            plain.step()
+            plain.zero_grad(set_to_none=True)
+            with sim.stream(side):
+                _forward(model, _inputs(step)).backward()
+            assert all(param.grad is not None for param in model.parameters()), "kept until step()"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+    messages = [str(warning.message) for warning in caught if "free_gradients" in str(warning.message)]
+    assert len(messages) == 1 and "kept until step()" in messages[0], messages
+
+
+def test_free_gradients_needs_the_step_in_backward() -> None:
+    with pytest.raises(
+        ValueError, match=r"free_gradients=True\) .* needs step='in_backward', got step='after_backward'"
+    ):
+        SwapConfig(free_gradients=True)
+
+
+class _GradientAndDeviceMeter:
+    """The peak of (bytes of the parameters' gradients + the simulator's allocated device bytes) over the last
+    iteration: sampled as each gradient is accumulated (before the optimizer's hook), across the optimizer's
+    hook (the device's peak inside it, with the gradients alive before it), and across ``step()``."""
+
+    def __init__(self, sim: SimBackend, params: list[torch.nn.Parameter]) -> None:
+        self._sim, self._params = sim, params
+        self.peak = 0
+        self._gradients_before = 0
+        for param in params:  # before the optimizer's own hooks: they run in the order registered
+            param.register_post_accumulate_grad_hook(lambda _: self._before())  # type: ignore[no-untyped-call]
+
+    def after_the_optimizers_hooks(self) -> None:
+        for param in self._params:
+            param.register_post_accumulate_grad_hook(lambda _: self._after())  # type: ignore[no-untyped-call]
+
+    def start(self) -> None:
+        self.peak = 0
+
+    def around(self, step: Callable[[], object]) -> None:
+        self._before()
+        step()
+        self._after()
+
+    def _gradient_bytes(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p in self._params if p.grad is not None)
+
+    def _before(self) -> None:
+        self._gradients_before = self._gradient_bytes()
+        self._sim.reset_peak_memory_stats()
+        self.peak = max(self.peak, self._gradients_before + self._sim.memory_allocated())
+
+    def _after(self) -> None:
+        self.peak = max(self.peak, self._gradients_before + self._sim.max_memory_allocated())
 
 
 def test_accumulated_micro_batches_update_once_in_the_last_backward() -> None:

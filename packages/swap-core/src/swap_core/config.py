@@ -102,6 +102,13 @@ class SwapConfig:
     what remains and checks that no applied gradient was edited since (docs/step-in-backward.md). The batches are
     walked in the order a backward finalizes gradients. ``"after_backward"``: every batch updates in ``step()``."""
 
+    free_gradients: bool = False
+    """With ``step="in_backward"``: drop each batch's gradients (``p.grad = None``) as soon as its update is issued
+    inside the backward, as torchtune's ``optimizer_in_bwd`` does, so that the gradients of the layers already
+    updated are freed while the backward goes on (they read ``None`` after it; ``clip_grad_norm_`` then sees only
+    the gradients left). Where the hooks run under another stream than the steps (FSDP2's post-reduce stream), the
+    gradients are kept until ``step()``, with a warning (docs/step-in-backward.md)."""
+
     host_memory: HostMemoryMode = "exact"
     """``"exact"``: host buffers pinned at their size, to the page (CUDA registers them with the driver; elsewhere
     the caching path, with a warning); ``"caching"``: torch's pinned allocator, which rounds up to a power of two."""
@@ -127,6 +134,12 @@ class SwapConfig:
         _require_bool("trace", self.trace)
         _require_bool("master_weights", self.master_weights)
         _require_bool("undo_failed_steps", self.undo_failed_steps)
+        _require_bool("free_gradients", self.free_gradients)
+        if self.free_gradients and self.step != "in_backward":
+            raise ValueError(
+                "SwapConfig(free_gradients=True) frees each batch's gradients after its update inside the backward: "
+                f"it needs step='in_backward', got step={self.step!r}"
+            )
         _validate_backend(self.backend)
         if self.prefetch not in PREFETCH_MODES:
             raise ValueError(f"Invalid SwapConfig.prefetch: {self.prefetch!r}; expected one of {PREFETCH_MODES}")

@@ -76,6 +76,7 @@ OPTION_VARIANTS: tuple[dict[str, Any], ...] = (
     {"step": "in_backward"},
     {"step": "in_backward", "packed": False, "swap_times": 5},
     {"step": "in_backward", "offload_fraction": 0.5, "duplex": False},
+    {"step": "in_backward", "free_gradients": True},
 )
 """SwapConfig variants each checked for parity under :data:`OPTION_MODES`."""
 
