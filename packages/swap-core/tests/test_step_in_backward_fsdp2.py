@@ -1,6 +1,7 @@
 """``SwapConfig(step="in_backward")`` under FSDP2 on 2 gloo ranks: FSDP2 runs the post-accumulate-grad hooks of the
 sharded parameters after their reduce-scatter, every batch updates inside the backward from the second step on,
-and the result is bitwise the plain FSDP2 optimizer stepping after it, with gradient accumulation too."""
+and the result is bitwise the plain FSDP2 optimizer stepping after it, with gradient accumulation too; the same
+under HSDP on 4 ranks (2 replicas of 2 shards)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,19 @@ def _backward(model: torch.nn.Module, step: int, micro_batch: int, rank: int) ->
 def _in_backward_under_fsdp2(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    for packed in (True, False):
+    _check_parity(init_device_mesh("cpu", (world_size,)), rank, layouts=(True, False))
+
+
+def _in_backward_under_hsdp(rank: int, world_size: int) -> None:
+    """HSDP: 2 replicas of 2 shards; the hooks run after the reduce-scatter and the all-reduce across replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    _check_parity(mesh, rank, layouts=(True,))
+
+
+def _check_parity(mesh: object, rank: int, *, layouts: tuple[bool, ...]) -> None:
+    for packed in layouts:
         plain_model, model = fsdp2_linears(mesh, WIDTH), fsdp2_linears(mesh, WIDTH)
         plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
         sim = SimBackend(mode="random", seed=rank)
@@ -71,3 +83,7 @@ def _train_step(
 
 def test_fsdp2_hooks_update_every_batch_inside_the_backward_bitwise_the_plain_optimizer() -> None:
     run_distributed(_in_backward_under_fsdp2, 2)
+
+
+def test_hsdp_hooks_update_every_batch_inside_the_backward_bitwise_the_plain_optimizer() -> None:
+    run_distributed(_in_backward_under_hsdp, 4)
