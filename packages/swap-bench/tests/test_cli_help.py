@@ -18,6 +18,7 @@ WITHOUT_A_SHOWN_DEFAULT = {
         "--device-memory": "no recommendation of a batch count",
         "--master-weights": "switch",
         "--markdown": "no Markdown table",
+        "--tokens": "no whole-iteration rows",
     },
     "narrowing": {"--quick": "switch"},
 }

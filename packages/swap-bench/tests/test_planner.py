@@ -15,6 +15,7 @@ import torch.distributed as dist
 from swap_bench.arguments import byte_size
 from swap_bench.cli import main
 from swap_bench.fake_world import fake_world
+from swap_bench.iteration import IterationModel, model_iteration
 from swap_bench.modeled import StepModel, model_step
 from swap_bench.models import MODELS, ModelShape, fsdp_shard_shape
 from swap_bench.planner import plan_model, recommend
@@ -152,6 +153,26 @@ def test_plan_command_writes_the_versioned_report(tmp_path: Path, capsys: pytest
     with pytest.raises(SystemExit):
         main(["plan", "--model", "gpt-9"])
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_plan_with_tokens_models_whole_iterations_and_skips_what_it_cannot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--tokens``: each combination's iteration as :func:`~swap_bench.iteration.model_iteration` gives it; ranks
+    per node above the world is a skipped row."""
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama-1b", "--world", "2", "--link", "pcie5-achievable", "--swap-times", "4"]
+    assert main([*argv, "--tokens", "2048", "--ranks-per-node", "1", "4", "--json", str(path)]) == 0
+    document: dict[str, Any] = json.loads(path.read_text())
+    expected = model_iteration(
+        IterationModel(MODELS["llama-1b"], 2, 2048, OPTIMIZERS["adamw"], "pcie5-achievable", swap_times=4)
+    )
+    assert document["iteration_rows"] == [expected.as_dict()]
+    assert any("iteration" in row["row"] and "ranks_per_node" in row["reason"] for row in document["skipped"])
+    assert "one rank's training iteration" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--tokens", "2048", "--utilization", "1.5"])
+    assert "must be a number in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_plan_command_models_achievable_figures_and_ranks_sharing_a_host(

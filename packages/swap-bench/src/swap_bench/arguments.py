@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["HelpFormatter", "byte_size", "command_parser", "count", "output_file", "positive_count"]
+__all__ = ["HelpFormatter", "byte_size", "command_parser", "count", "fraction", "output_file", "positive_count"]
 
 
 def positive_count(text: str) -> int:
@@ -27,6 +27,17 @@ def count(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A float in (0, 1] (a share of a peak)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
     return value
 
 

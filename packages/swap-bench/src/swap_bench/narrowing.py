@@ -261,6 +261,7 @@ def narrowing_main(argv: Sequence[str] | None = None) -> int:
         "comparisons": [],
         "modeled_rows": [],
         "narrowing_rows": [row.as_dict() for row in rows],
+        "iteration_rows": [],
     }
     console.print(f"JSON report: {save_json(document, args.json)}")
     return 0 if all(row.bitwise_equal for row in rows) else 1

@@ -32,10 +32,11 @@ from rich.progress import Progress
 from swap_core.errors import AdapterNotFoundError, DeviceMemoryError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import byte_size, command_parser, count, output_file, positive_count
+from .arguments import byte_size, command_parser, count, fraction, output_file, positive_count
+from .iteration import IterationModel, IterationRow, model_iteration
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
-from .report import SCHEMA, machine_facts, render_modeled_table, save_json
+from .report import SCHEMA, machine_facts, render_iteration_table, render_modeled_table, save_json
 from .workloads import OPTIMIZERS
 
 __all__ = [
@@ -188,11 +189,53 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         device_memory=args.device_memory,
     )
     document = _plan_report(rows, skipped, models, console, rank=args.rank)
+    if args.tokens:
+        iterations, not_modeled = plan_iterations(models, args, console)
+        render_iteration_table(iterations, console)
+        for row in not_modeled:
+            console.print(f"[yellow]skipped[/] {row['row']}: {row['reason']}")
+        document["iteration_rows"] = [row.as_dict() for row in iterations]
+        document["skipped"] += not_modeled
     if args.markdown is not None:
         Path(args.markdown).write_text(markdown_table(rows))
     seconds = time.perf_counter() - started
     console.print(f"planned {len(rows)} rows in {seconds:.1f} s; JSON report: {save_json(document, args.json)}")
     return 0
+
+
+def plan_iterations(
+    models: Sequence[ModelShape], args: argparse.Namespace, console: Console
+) -> tuple[list[IterationRow], list[dict[str, str]]]:
+    """``plan --tokens``: each combination's whole iteration (:func:`~swap_bench.iteration.model_iteration`), with a
+    progress bar; one that cannot be modeled (ranks per node above the world, an optimizer the step inside the
+    backward refuses) is a skipped row."""
+    combinations = list(
+        itertools.product(models, args.world, args.tokens, args.link, args.ranks_per_node, args.swap_times)
+    )
+    rows: list[IterationRow] = []
+    skipped: list[dict[str, str]] = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("iterations", total=len(combinations))
+        for model, world, tokens, link, node_ranks, k in combinations:
+            label = f"{model.name} {args.optimizer} world={world} tokens={tokens} {link} ranks/node={node_ranks} k={k}"
+            progress.update(task, description=label)
+            spec = IterationModel(
+                model,
+                world,
+                tokens,
+                OPTIMIZERS[args.optimizer],
+                link,
+                swap_times=k,
+                master_weights=args.master_weights,
+                ranks_per_node=node_ranks,
+                utilization=args.utilization,
+            )
+            try:
+                rows.append(model_iteration(spec))
+            except (ValueError, AdapterNotFoundError, UnsupportedOptimizerError) as error:
+                skipped.append({"row": f"iteration {label}", "reason": str(error).splitlines()[0]})
+            progress.advance(task)
+    return rows, skipped
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -244,6 +287,21 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
     parser.add_argument(
+        "--tokens",
+        nargs="+",
+        type=positive_count,
+        default=None,
+        help="also model whole training iterations with this many tokens a rank (forward, backward, step), "
+        "unswapped and swapped after and inside the backward (SwapConfig(step='in_backward')), for each "
+        "--swap-times; off when not given",
+    )
+    parser.add_argument(
+        "--utilization",
+        type=fraction,
+        default=0.4,
+        help="with --tokens: the forward's and backward's share of the device's matmul peak",
+    )
+    parser.add_argument(
         "--json", type=output_file, default="swap-bench-plan.json", help="where to write the JSON report"
     )
     parser.add_argument(
@@ -279,6 +337,7 @@ def _plan_report(
         "comparisons": [],
         "modeled_rows": [row.as_dict() for row in rows],
         "narrowing_rows": [],
+        "iteration_rows": [],
     }
 
 

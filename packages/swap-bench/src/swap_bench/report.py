@@ -13,16 +13,26 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .iteration import IterationRow
 from .link import LinkBandwidth
 from .measure import ComparisonResult, RowResult
 from .modeled import ModeledRow
 
-__all__ = ["SCHEMA", "BenchReport", "machine_facts", "render_modeled_table", "render_table", "save_json"]
+__all__ = [
+    "SCHEMA",
+    "BenchReport",
+    "machine_facts",
+    "render_iteration_table",
+    "render_modeled_table",
+    "render_table",
+    "save_json",
+]
 
-SCHEMA = "swap-bench/4"
+SCHEMA = "swap-bench/5"
 """Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``; 3:
 ``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds; 4: modeled rows' ``ranks_per_node`` and
-``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share)."""
+``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share; 5:
+``iteration_rows``, whole modeled iterations of ``plan --tokens``, empty in the other kinds)."""
 
 
 @dataclasses.dataclass
@@ -60,6 +70,7 @@ class BenchReport:
             "comparisons": [comparison.as_dict() for comparison in self.comparisons],
             "modeled_rows": [row.as_dict() for row in self.modeled],
             "narrowing_rows": [],
+            "iteration_rows": [],
         }
 
     def save(self, path: str | Path) -> Path:
@@ -192,6 +203,38 @@ def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title:
             readable_seconds(row.bound_seconds),
             f"{row.modeled_transfer_seconds / row.bound_seconds:.3f}" if row.bound_seconds > 0 else "-",
             f"{100 * row.link_utilization:.0f}%",
+        )
+    console.print(table)
+
+
+def render_iteration_table(rows: Sequence[IterationRow], console: Console) -> None:
+    """Modeled whole iterations (``plan --tokens``): forward start to forward start, three ways, and the bound."""
+    table = Table(
+        title="swap-bench plan --tokens: one rank's training iteration; seconds are modeled, not measured",
+        caption="after/inside: swapped, stepping after the backward or inside it (SwapConfig(step='in_backward')), "
+        "each over the unswapped iteration. bound: every swapped byte in and out once, both ways at once.",
+    )
+    columns = (
+        "model", "opt", "world", "tokens", "link", "ranks/node", "k", "compute", "unswapped", "after", "inside",
+        "bound", "inside/lower bound",
+    )  # fmt: skip
+    for title_text in columns:
+        table.add_column(title_text, justify="left" if title_text in ("model", "opt", "link") else "right")
+    for row in rows:
+        table.add_row(
+            row.name + (" +masters" if row.master_weights else ""),
+            row.optimizer,
+            str(row.world),
+            f"{row.tokens:,}",
+            row.link,
+            str(row.ranks_per_node),
+            str(row.swap_times),
+            readable_seconds(row.compute_seconds),
+            readable_seconds(row.unswapped_seconds),
+            f"{row.after_backward_seconds / row.unswapped_seconds:.3f} x",
+            f"{row.in_backward_seconds / row.unswapped_seconds:.3f} x",
+            readable_seconds(row.transfer_bound_seconds),
+            f"{row.in_backward_seconds / row.lower_bound_seconds:.3f} x",
         )
     console.print(table)
 
