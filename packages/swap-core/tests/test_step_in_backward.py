@@ -418,6 +418,44 @@ def _lr(group: dict[str, object]) -> float:
     return float(lr) if isinstance(lr, torch.Tensor) else lr  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("unscaled_first", [False, True], ids=["step", "unscale_then_step"])
+def test_grad_scaler_is_refused_at_the_first_step_before_anything_changes(unscaled_first: bool) -> None:
+    """``GradScaler`` unscales the gradients and skips steps with inf after the backward, too late for batches that
+    update inside it. The first step runs after the backward, so the refusal comes before any update: the model
+    and the optimizer stay as a twin that never stepped, and the loop goes on without the scaler."""
+    twin_model, model = _model(), _model()
+    optimizer = _in_backward(model, SimBackend(mode="lazy"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(_forward(model, _inputs(0))).backward()
+    if unscaled_first:
+        scaler.unscale_(optimizer)
+    with pytest.raises(SwapStateError, match=r"GradScaler cannot drive .*Nothing was updated\. Use step='after_b"):
+        scaler.step(optimizer)
+    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
+        assert_bitwise_equal(expected, actual, f"after the refusal: {name}")
+    assert not optimizer.state and not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+    optimizer.zero_grad(set_to_none=True)
+    _forward(model, _inputs(1)).backward()
+    optimizer.step()
+
+
+def test_grad_scaler_brought_in_later_is_refused_saying_what_the_backward_updated() -> None:
+    model = _model()
+    optimizer = _in_backward(model, SimBackend(mode="random", seed=9))
+    for step in range(2):
+        _forward(model, _inputs(step)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(_forward(model, _inputs(2))).backward()  # updates every batch inside it, with scaled gradients
+    with pytest.raises(SwapStateError, match=r"This step's batches updated inside the backward with the scaled"):
+        scaler.step(optimizer)
+    optimizer.state_dict()  # the step ended: the state can be read again
+    optimizer.zero_grad(set_to_none=True)
+    _forward(model, _inputs(3)).backward()
+    optimizer.step()
+
+
 def test_the_state_is_refused_between_a_backward_that_updated_batches_and_step() -> None:
     """Some batches already stepped: a checkpoint or a read then would mix two steps. Refused, and the step then
     ends as if nothing happened."""

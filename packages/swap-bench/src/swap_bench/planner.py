@@ -286,6 +286,13 @@ def plan_parser() -> argparse.ArgumentParser:
         "modeled step of one more batch and of twice as many, instead of --swap-times",
     )
     parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
+    _add_iteration_arguments(parser)
+    _add_report_arguments(parser)
+    return parser
+
+
+def _add_iteration_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tokens`` and ``--utilization``: whole modeled iterations (:mod:`~swap_bench.iteration`)."""
     parser.add_argument(
         "--tokens",
         nargs="+",
@@ -301,6 +308,10 @@ def plan_parser() -> argparse.ArgumentParser:
         default=0.4,
         help="with --tokens: the forward's and backward's share of the device's matmul peak",
     )
+
+
+def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json`` and ``--markdown``: where the rows go."""
     parser.add_argument(
         "--json", type=output_file, default="swap-bench-plan.json", help="where to write the JSON report"
     )
@@ -310,7 +321,6 @@ def plan_parser() -> argparse.ArgumentParser:
         default=None,
         help="also write the rows as a Markdown table (docs/benchmarks.md)",
     )
-    return parser
 
 
 def _plan_report(

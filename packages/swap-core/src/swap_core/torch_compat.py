@@ -239,10 +239,15 @@ def hook_registries(optimizer: torch.optim.Optimizer) -> dict[str, dict[Any, Cal
     }
 
 
-def share_amp_scaling_support(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> None:
+def share_amp_scaling_support(
+    wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer, *, always: bool = False
+) -> None:
     """``wrapper`` tells ``GradScaler`` what ``wrapped`` tells it: whether its ``step`` unscales and skips inf steps
-    itself (fused optimizers), read from ``optimizer._step_supports_amp_scaling`` (checked: torch 2.13)."""
-    wrapper._step_supports_amp_scaling = getattr(wrapped, "_step_supports_amp_scaling", False)  # type: ignore[attr-defined]
+    itself (fused optimizers), read from ``optimizer._step_supports_amp_scaling`` (checked: torch 2.13).
+    ``always``: it says so whatever ``wrapped`` says, so that ``GradScaler.step`` leaves the gradients to it and
+    hands it ``grad_scale``/``found_inf`` (what ``SwapConfig(step="in_backward")`` refuses by)."""
+    supported = always or getattr(wrapped, "_step_supports_amp_scaling", False)
+    wrapper._step_supports_amp_scaling = supported  # type: ignore[attr-defined]
 
 
 def is_lr_scheduler_step_wrapper(method: object) -> bool:

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -184,6 +185,23 @@ class InBackwardStep:
                 "updates used the gradients as the backward left them. Edit gradients with step='after_backward'"
             )
         return started.stats, started.plan
+
+    def refuse_grad_scaler(self) -> NoReturn:
+        """``GradScaler.step`` called this optimizer: raise, after ending a step that began inside the backward."""
+        began = self._started is not None
+        if began:
+            with contextlib.suppress(SwapStateError):  # GradScaler's inf check wrote the gradients: the step ends
+                self.finish()
+        raise SwapStateError(
+            "GradScaler cannot drive SwapConfig(step='in_backward'): the batches update inside the backward, before "
+            "GradScaler can unscale the gradients or skip a step whose gradients hold inf or NaN. "
+            + (
+                "This step's batches updated inside the backward with the scaled gradients. "
+                if began
+                else "Nothing was updated. "
+            )
+            + "Use step='after_backward' with GradScaler (bf16 autocast needs no scaler)"
+        )
 
     def _warn_of_stateless_params(self) -> None:
         """Once: the steps run after the backward while some parameters have no state and get none now (they had no

@@ -109,8 +109,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.stats = SwapStats()
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
-        # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them.
-        share_amp_scaling_support(self, optimizer)
+        # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them (or, stepping
+        # inside the backward, refuses them: the batches updated before GradScaler could unscale or skip).
+        share_amp_scaling_support(self, optimizer, always=config.step == "in_backward" and self.backend is not None)
         self._swapping: Swapping | None = None
         """The runtime, where anything is swapped (``None``: CPU parameters, the wrapped optimizer steps alone)."""
         original_state = optimizer.state
@@ -234,6 +235,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._swapping is not None and self._swapping.in_backward is not None:
+            scaled = [self.__dict__.pop(name) for name in _AMP_ATTRIBUTES if name in self.__dict__]
+            if scaled:
+                self._swapping.in_backward.refuse_grad_scaler()
         with self._amp_attributes_forwarded():
             swapping = self._swapping
             if swapping is None:

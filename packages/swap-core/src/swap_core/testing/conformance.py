@@ -222,7 +222,7 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     import pytest
 
     case_param = pytest.mark.parametrize("case", cases, ids=str)
-    return {**_stepping_tests(case_param), **_state_tests(case_param)}
+    return {**_stepping_tests(case_param), **_state_tests(case_param), **_master_and_habit_tests(case_param)}
 
 
 def _stepping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
@@ -280,7 +280,7 @@ def _stepping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[...,
 
 
 def _state_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
-    """Checkpoints, faults, master weights and torch habits."""
+    """Checkpoints and faults, each after the backward and inside it."""
     import pytest
 
     steps = pytest.mark.parametrize("step", ["after_backward", "in_backward"])
@@ -306,6 +306,16 @@ def _state_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., No
         assert points, f"{case.name}: no fault points found"
         for point in points:
             check_fault(case, swap_backend_factory(mode="lazy"), point, packed=packed, step=step)
+
+    return {
+        "test_conformance_checkpoint": test_conformance_checkpoint,
+        "test_conformance_faults": test_conformance_faults,
+    }
+
+
+def _master_and_habit_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
+    """Master weights and torch habits, each after the backward and inside it."""
+    import pytest
 
     master_runs = [
         *(("after_backward", mode, seed) for mode, seed in MASTER_MODES),
@@ -344,8 +354,6 @@ def _state_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., No
         HABIT_CHECKS[habit](case, swap_backend_factory(mode=mode, seed=seed), step=step)
 
     return {
-        "test_conformance_checkpoint": test_conformance_checkpoint,
-        "test_conformance_faults": test_conformance_faults,
         "test_conformance_master_weights": test_conformance_master_weights,
         "test_conformance_torch_habits": test_conformance_torch_habits,
     }
