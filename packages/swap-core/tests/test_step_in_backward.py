@@ -456,6 +456,23 @@ def test_grad_scaler_brought_in_later_is_refused_saying_what_the_backward_update
     optimizer.step()
 
 
+def test_a_gradient_clipped_after_the_first_backward_is_refused_before_anything_changes() -> None:
+    """The first step runs after the backward, but the hooks saw the gradients: one edited since is refused then,
+    before any state exists, instead of at the next step after batches updated with unclipped gradients."""
+    twin_model, model = _model(), _model()
+    optimizer = _in_backward(model, SimBackend(mode="lazy"))
+    _forward(model, _inputs(0)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    with pytest.raises(SwapStateError, match=r"changed between the backward and step\(\) .* refused now, before"):
+        optimizer.step()
+    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
+        assert_bitwise_equal(expected, actual, f"after the refusal: {name}")
+    assert not optimizer.state
+    optimizer.zero_grad(set_to_none=True)
+    _forward(model, _inputs(1)).backward()  # the loop goes on without clipping
+    optimizer.step()
+
+
 def test_the_state_is_refused_between_a_backward_that_updated_batches_and_step() -> None:
     """Some batches already stepped: a checkpoint or a read then would mix two steps. Refused, and the step then
     ends as if nothing happened."""

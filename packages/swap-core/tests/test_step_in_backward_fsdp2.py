@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.errors import SwapStateError
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.distributed import fsdp2_linears, run_distributed
@@ -87,3 +88,32 @@ def test_fsdp2_hooks_update_every_batch_inside_the_backward_bitwise_the_plain_op
 
 def test_hsdp_hooks_update_every_batch_inside_the_backward_bitwise_the_plain_optimizer() -> None:
     run_distributed(_in_backward_under_hsdp, 4)
+
+
+def _ddp_is_refused_before_anything_changes(rank: int, world_size: int) -> None:
+    """DDP all-reduces each gradient after its post-accumulate-grad hook ran: batches updated from that hook would
+    use the rank's own gradient. The first step, after the backward, sees the gradients rewritten and refuses."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _plain_linears()
+    before = [param.detach().clone() for param in model.parameters()]
+    ddp = DistributedDataParallel(model)
+    config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=16, step="in_backward")
+    optimizer = swap_optimizer(torch.optim.AdamW(ddp.parameters(), lr=1e-2), config)
+    _backward(ddp, 0, 0, rank)
+    with pytest.raises(SwapStateError, match=r"DDP's all-reduce"):
+        optimizer.step()
+    for index, (expected, actual) in enumerate(zip(before, model.parameters(), strict=True)):
+        assert_bitwise_equal(expected, actual, f"rank {rank}: parameter {index} after the refusal")
+    assert not optimizer.state
+    dist.barrier()
+
+
+def _plain_linears() -> torch.nn.Sequential:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+
+
+def test_ddp_is_refused_at_the_first_step_before_anything_changes() -> None:
+    run_distributed(_ddp_is_refused_before_anything_changes, 2)

@@ -39,6 +39,7 @@ from ..runtime.plan import SwapPlan
 from ..runtime.planned_batch import PlannedBatch
 from ..stats import SwapStats
 from ..user_warnings import warn_user
+from .gradient_watch import GradientWatch
 from .group_snapshot import GroupSnapshot
 from .plan_cache import PlanCache
 from .state_sync import StateSync
@@ -85,6 +86,8 @@ class InBackwardStep:
         """No step can begin in this backward (tried at its first hook): the rest of it tries no more."""
         self._warned = False
         self._warned_of_streams = False
+        self._seen = GradientWatch()
+        """The gradients of a backward in which no step began, as their hooks saw them."""
         self.hook_params(sync.ordered_params())
         weakref.finalize(owner, InBackwardStep.remove_hooks, self)
 
@@ -127,11 +130,11 @@ class InBackwardStep:
             )
         self._final.add(id(param))
         if started is None:
-            if self._gave_up:
-                return
-            started = self._begin()
+            started = None if self._gave_up else self._begin()
             if started is None:
                 self._gave_up = True
+                if param.grad is not None:
+                    self._seen.note(param, param.grad)  # step() refuses it edited, before anything changes
                 return
         walk, scheduler = started.walk, self._sync.scheduler
         ordered = False
@@ -153,11 +156,21 @@ class InBackwardStep:
         """``step()`` after a step began inside the backward: the batches left, then the check of the gradients
         used; ``None`` when no step began (``step()`` then runs as after a backward)."""
         started, self._started = self._started, None
+        seen, self._seen = self._seen, GradientWatch()
         self._final, self._gave_up = set(), False
         sync = self._sync
         if {id(param) for param in sync.ordered_params()} != self._hooked:
             self.hook_params(sync.ordered_params())  # a group added or params replaced: hooks on the new ones
         if started is None:
+            edited = seen.changed()
+            if edited:
+                raise SwapStateError(
+                    f"{len(edited)} gradient(s) changed between the backward and step() (e.g. the first of shape "
+                    f"{tuple(edited[0].shape)}): DDP's all-reduce, clip_grad_norm_, GradScaler or any edit of the "
+                    "gradients after their post-accumulate-grad hooks ran. With SwapConfig(step='in_backward') the "
+                    "batches update from those hooks, before such an edit, so it is refused now, before anything "
+                    "changed. Edit gradients with step='after_backward'"
+                )
             self._warn_of_stateless_params()
             return None
         changed = started.groups.changes(sync.param_groups)

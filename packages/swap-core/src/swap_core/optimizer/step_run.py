@@ -17,8 +17,8 @@ from ..runtime.slots import SwapSlot
 from ..runtime.state_keys import is_fresh
 from ..runtime.step_journal import StepJournal, note_partial_step
 from ..stats import SwapStats
-from ..torch_compat import tensor_version
 from ..trace import StepTrace
+from .gradient_watch import GradientWatch
 from .plan_cache import PlanCache
 from .state_sync import NO_ENTRY, StateSync
 
@@ -45,16 +45,15 @@ class StepRun:
         self._every_param_ready = False
         self._journal: StepJournal | None = None
         self._ordered: list[torch.Tensor] = []
-        self._applied: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
-        """Inside the backward: each parameter a batch updated, with the gradient it used and that one's version
-        (``None`` once :meth:`free_gradients` dropped it)."""
+        self._applied = GradientWatch()
+        """Inside the backward: each parameter a batch updated, with the gradient it used."""
         self._positions: dict[int, int] = {}
 
     def release(self) -> None:
         """Drop the step's references to gradients and saved values (``zero_grad(set_to_none=True)`` frees them)."""
         self.grads = []
         self._journal = None
-        self._applied, self._positions = {}, {}
+        self._applied, self._positions = GradientWatch(), {}
 
     def run(self, stats: SwapStats, trace: StepTrace | None) -> SwapPlan:
         """The step's work (inside the scheduler's ``working()``): follow the user's edits, read the gradients, make
@@ -175,36 +174,25 @@ class StepRun:
                 if grad.is_sparse:
                     raise _sparse_gradient(group_index, param)
                 adopt(_local_grad(grad))
-                self._applied[id(param)] = (param, grad, tensor_version(_local_grad(grad)))
+                self._applied.note(param, grad)
                 self._positions[id(param)] = position
         self.update(batch)
 
     def applied(self, param: torch.Tensor) -> bool:
         """Whether a batch of this step updated ``param`` with its gradient already."""
-        return id(param) in self._applied
+        return param in self._applied
 
     def free_gradients(self, batch: PlannedBatch) -> None:
         """Drop the gradients ``batch`` updated with, the parameters' (``p.grad = None``) and this step's references
         (its issued update holds them until it ran); :meth:`edited_gradients` then expects ``None`` there."""
         for _, param in batch.params:
-            applied = self._applied.get(id(param))
-            if applied is not None and applied[1] is not None:
-                param.grad = None
-                self._applied[id(param)] = (param, None, applied[2])
+            if self._applied.drop(param):
                 self.grads[self._positions[id(param)]] = None
 
     def edited_gradients(self) -> list[torch.Tensor]:
         """The parameters whose gradient was replaced or written in place since its batch updated with it (or set
         again after :meth:`free_gradients` dropped it)."""
-        edited = []
-        for param, grad, version in self._applied.values():
-            if grad is None:  # freed: any gradient there now was set since
-                changed = param.grad is not None
-            else:
-                changed = param.grad is not grad or tensor_version(_local_grad(grad)) != version
-            if changed:
-                edited.append(param)
-        return edited
+        return self._applied.changed()
 
     # -- a failed step ------------------------------------------------------------------
     def _step_journal(self) -> StepJournal | None:
