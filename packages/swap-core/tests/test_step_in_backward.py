@@ -290,6 +290,29 @@ class _GradientAndDeviceMeter:
         self.peak = max(self.peak, self._gradients_before + self._sim.max_memory_allocated())
 
 
+def test_a_traced_step_inside_the_backward_times_every_batch_from_its_first_hook() -> None:
+    """``SwapConfig(trace=True)``: ``opt.trace`` holds each batch's copy-in, update and copy-out, in order, timed
+    from the hook that began the step; the result stays bitwise."""
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model)
+    optimizer = _in_backward(model, SimBackend(mode="random", seed=10), trace=True)
+    for step in range(3):
+        _forward(plain_model, _inputs(step)).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        _forward(model, _inputs(step)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        assert optimizer.trace is not None
+        spans = {(interval.batch, interval.phase): interval for interval in optimizer.trace}
+        assert sorted(spans) == [(batch, phase) for batch in range(3) for phase in ("d2h", "h2d", "update")], spans
+        for batch in range(3):
+            copy_in, update, copy_out = (spans[batch, phase] for phase in ("h2d", "update", "d2h"))
+            assert 0 <= copy_in.start <= copy_in.end <= update.start <= update.end <= copy_out.start, spans
+    assert optimizer.stats.batches_in_backward == 3
+
+
 def test_accumulated_micro_batches_update_once_in_the_last_backward() -> None:
     plain_model, model = _model(), _model()
     plain = _rmsprop(plain_model)
@@ -571,7 +594,6 @@ def _rmsprop_of(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     [
         ({"prefetch": "backward"}, r"does not support prefetch='backward' yet: it copies each batch in"),
         ({"swap_times": "auto"}, r"does not support swap_times='auto' yet"),
-        ({"trace": True}, r"does not support trace=True yet"),
         ({"undo_failed_steps": True}, r"does not support undo_failed_steps=True yet"),
     ],
 )

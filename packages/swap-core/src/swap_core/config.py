@@ -162,7 +162,6 @@ class SwapConfig:
         unsupported = {
             "prefetch": (self.prefetch != "off", "it copies each batch in from the backward itself"),
             "swap_times": (self.swap_times == "auto", "give a batch count"),
-            "trace": (self.trace, "trace a step with step='after_backward'"),
             "undo_failed_steps": (self.undo_failed_steps, "a failed in-backward update cannot be undone yet"),
         }
         for name, (refused, why) in unsupported.items():

@@ -38,6 +38,7 @@ from ..runtime.batch_walk import BatchWalk
 from ..runtime.plan import SwapPlan
 from ..runtime.planned_batch import PlannedBatch
 from ..stats import SwapStats
+from ..trace import StepTrace
 from ..user_warnings import warn_user
 from .gradient_watch import GradientWatch
 from .group_snapshot import GroupSnapshot
@@ -69,6 +70,8 @@ class _Started:
     scope: contextlib.ExitStack
     groups: GroupSnapshot
     """The hyperparameters the batches updated with."""
+    trace: StepTrace | None
+    """With ``SwapConfig(trace=True)``: the step's timeline, timed from its first hook."""
 
 
 class InBackwardStep:
@@ -152,7 +155,7 @@ class InBackwardStep:
                 if self._sync.config.free_gradients:
                     self._free_gradients(started.run, batch)
 
-    def finish(self) -> tuple[SwapStats, SwapPlan] | None:
+    def finish(self) -> tuple[SwapStats, SwapPlan, StepTrace | None] | None:
         """``step()`` after a step began inside the backward: the batches left, then the check of the gradients
         used; ``None`` when no step began (``step()`` then runs as after a backward)."""
         started, self._started = self._started, None
@@ -177,7 +180,9 @@ class InBackwardStep:
         try:
             with started.groups.in_place(sync.param_groups):  # the rest of the step as it began
                 keep_staging = sync.config.keep_staging
-                sync.scheduler.end_walk(started.plan, started.walk, started.stats, keep_staging=keep_staging)
+                sync.scheduler.end_walk(
+                    started.plan, started.walk, started.stats, keep_staging=keep_staging, trace=started.trace
+                )
             edited = started.run.edited_gradients()
         finally:
             started.scope.close()
@@ -197,7 +202,7 @@ class InBackwardStep:
                 "between backward() and step() comes too late with SwapConfig(step='in_backward'), and those "
                 "updates used the gradients as the backward left them. Edit gradients with step='after_backward'"
             )
-        return started.stats, started.plan
+        return started.stats, started.plan, started.trace
 
     def refuse_grad_scaler(self) -> NoReturn:
         """``GradScaler.step`` called this optimizer: raise, after ending a step that began inside the backward."""
@@ -285,11 +290,12 @@ class InBackwardStep:
                 stats = SwapStats()
                 if not sync.scheduler.prefetched:  # else opt.prefetch() started it: its copy-in is this step's first
                     sync.backend.start_transfer_window()
-                walk = sync.scheduler.begin_walk(plan, run.update_in_backward, stats)
+                trace = StepTrace() if sync.config.trace else None
+                walk = sync.scheduler.begin_walk(plan, run.update_in_backward, stats, traced=trace is not None)
         except BaseException:
             scope.close()
             raise
-        self._started = _Started(run, plan, walk, stats, scope, GroupSnapshot(sync.param_groups))
+        self._started = _Started(run, plan, walk, stats, scope, GroupSnapshot(sync.param_groups), trace)
         return self._started
 
     def _abandon(self) -> None:

@@ -81,7 +81,7 @@ class Swapping:
         with self.scheduler.working():  # reads of the state here wait for nothing
             began = self.in_backward.finish() if self.in_backward is not None else None
             if began is not None:  # its batches updated inside the backward; the rest did now
-                (stats, plan), timeline = began, None
+                stats, plan, timeline = began
             else:
                 stats, timeline, plan = self._attempt(trace=trace, retry=True)
             self.prefetching.arm(after_step=True)

@@ -139,12 +139,13 @@ class PipelineScheduler:
             self.update_resident(plan.resident, update)
         self._finish_trace(trace)
 
-    def begin_walk(self, plan: SwapPlan, update: UpdateFn, stats: SwapStats) -> BatchWalk:
+    def begin_walk(self, plan: SwapPlan, update: UpdateFn, stats: SwapStats, *, traced: bool = False) -> BatchWalk:
         """Start a step whose caller advances the walk itself, batch by batch (:meth:`advance_walk`: every batch of
         ``plan``, in order, ``plan.resident`` not used) and finishes it with :meth:`end_walk`; batch 0 starts its
-        copy-in now, unless a pending :meth:`prefetch` of ``plan`` issued it (one of another plan is dropped)."""
+        copy-in now, unless a pending :meth:`prefetch` of ``plan`` issued it (one of another plan is dropped).
+        ``traced``: its phases are timed from now, for :meth:`end_walk`'s ``trace``."""
         self.compute = self.backend.compute_stream()
-        self._timeline = None
+        self._timeline = _Timeline(self.backend, self.compute) if traced else None
         early = self._take_early(plan)
         self._settle(plan)
         plan.staging.acquire()
@@ -160,8 +161,11 @@ class PipelineScheduler:
         with self._recover_on_error(plan), self.backend.stream(self.compute):
             walk.advance()
 
-    def end_walk(self, plan: SwapPlan, walk: BatchWalk, stats: SwapStats, *, keep_staging: bool) -> None:
-        """The batches ``walk`` has left, then the end of the step (as :meth:`run` ends it)."""
+    def end_walk(
+        self, plan: SwapPlan, walk: BatchWalk, stats: SwapStats, *, keep_staging: bool, trace: StepTrace | None = None
+    ) -> None:
+        """The batches ``walk`` has left, then the end of the step (as :meth:`run` ends it; timed into ``trace``
+        when the walk began ``traced``)."""
         self._walking = False
         with self._recover_on_error(plan), self.backend.stream(self.compute):
             while not walk.done:
@@ -171,6 +175,7 @@ class PipelineScheduler:
             self._in_flight = plan
             self._free_last_staging(plan, plan.batches, keep_staging=keep_staging)
         stats.batches = len(plan.batches)
+        self._finish_trace(trace)
 
     def _walk(
         self,
