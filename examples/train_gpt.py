@@ -26,6 +26,12 @@ copies: a copy of the trained model and a fresh AdamW loaded from the swapped op
     python examples/train_gpt.py                  # 150 steps, sim (or the accelerator when present)
     python examples/train_gpt.py --quick          # 20 steps
     python examples/train_gpt.py --checked --out out/checked
+    python examples/train_gpt.py --quick --step in_backward   # each batch updates inside the backward
+
+With ``--step in_backward`` the swapped run steps inside the backward (``SwapConfig(step="in_backward")``): each
+batch updates as soon as its gradients are final, and ``step()`` ends the step. Neither run clips its gradients
+then (swap refuses a clip after such a backward); the losses must still be bitwise identical, and the timeline
+shows the traced step's batches timed from the hook that began it.
 """
 
 from __future__ import annotations
@@ -199,19 +205,26 @@ def warmup_cosine(steps: int) -> Callable[[int], float]:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor
+    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor, *, clip: bool
 ) -> tuple[torch.Tensor, float]:
-    """Forward, backward, clip, step; returns the loss and the seconds ``optimizer.step()`` took."""
+    """Forward, backward, clip (``clip``), step; returns the loss and the seconds ``optimizer.step()`` took."""
     logits = model(inputs)
     loss = functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+    if clip:
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
     synchronize(inputs.device)
     started = time.perf_counter()
     optimizer.step()
     synchronize(inputs.device)
     return loss.detach(), time.perf_counter() - started
+
+
+def clips(args: argparse.Namespace) -> bool:
+    """Both runs clip the gradients' norm after the backward, except with ``--step in_backward``: the batches
+    update inside the backward, before a clip could reach them (swap refuses the clip there)."""
+    return bool(args.step == "after_backward")
 
 
 def synchronize(device: torch.device) -> None:
@@ -237,7 +250,7 @@ def train(
     data = batches(corpus, args.seed, device)
     for _ in range(args.steps):
         inputs, targets = next(data)
-        loss, step_seconds = train_step(model, optimizer, inputs, targets)
+        loss, step_seconds = train_step(model, optimizer, inputs, targets, clip=clips(args))
         scheduler.step()
         record.losses.append(loss.item())
         record.step_seconds.append(step_seconds)
@@ -326,7 +339,7 @@ def trace_one_more_step(
     data = batches(corpus, args.seed, next(replica.parameters()).device)
     for _ in range(args.steps):
         next(data)
-    train_step(replica, traced, *next(data))
+    train_step(replica, traced, *next(data), clip=clips(args))
     assert traced.trace is not None
     return traced.trace
 
@@ -446,7 +459,7 @@ def trace_clock(backend: DeviceBackend | str, device: torch.device) -> str:
     return f"simulator clock, {backend.mode} mode: copies run when forced or at random points"
 
 
-def plot_timeline(trace: StepTrace, step: int, clock: str, path: Path) -> None:
+def plot_timeline(trace: StepTrace, step: int, clock: str, path: Path, *, in_backward: bool = False) -> None:
     figure = Figure(figsize=(9, 3.8), layout="constrained")
     axes = figure.subplots()
     lanes = {"h2d": "H2D copy", "update": "update", "d2h": "D2H copy"}
@@ -463,10 +476,12 @@ def plot_timeline(trace: StepTrace, step: int, clock: str, path: Path) -> None:
     axes.set_xlim(0, span * 1.02)
     batch_count = len({interval.batch for interval in trace if interval.phase == "h2d"})
     swapped_mib = sum(interval.nbytes for interval in trace if interval.phase == "h2d") / MiB
+    where = ", inside the backward" if in_backward else ""
     axes.set_title(
-        f"Pipeline of one swapped step (step {step}): {batch_count} batches, {swapped_mib:.2f} MiB in and out"
+        f"Pipeline of one swapped step (step {step}{where}): {batch_count} batches, {swapped_mib:.2f} MiB in and out"
     )
-    axes.set_xlabel(f"ms since the start of step() ({clock})")
+    began = "the backward's first gradient hook" if in_backward else "the start of step()"
+    axes.set_xlabel(f"ms since {began} ({clock})")
     axes.grid(axis="x", alpha=0.3)
     figure.savefig(path, dpi=90)
 
@@ -495,6 +510,13 @@ def parse_args() -> argparse.Namespace:
         "--min-numel", type=int, default=256, help="states smaller than this stay on the device (default: 256)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
+    parser.add_argument(
+        "--step",
+        choices=("after_backward", "in_backward"),
+        default="after_backward",
+        help="SwapConfig.step of the swapped run: in_backward updates each batch inside the backward (both runs "
+        "then train without gradient clipping) (default: after_backward)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -544,7 +566,7 @@ def main() -> int:
     console = Console()
     backend, device = make_backend(args)
     backend_label = describe_backend(backend, device)
-    config = SwapConfig(swap_times=args.swap_times, min_numel=args.min_numel, backend=backend)
+    config = SwapConfig(swap_times=args.swap_times, min_numel=args.min_numel, backend=backend, step=args.step)
     corpus = load_corpus()
     plain_model, swapped_model = build_models(len(corpus.alphabet), args.seed, device)
     parameters = sum(p.numel() for p in plain_model.parameters())
@@ -553,7 +575,8 @@ def main() -> int:
         f"{len(corpus.alphabet)} distinct\n"
         f"model: {LAYERS} layers, width {WIDTH}, {HEADS} heads, context {CONTEXT}, {parameters:,} parameters; "
         f"batch {BATCH_SIZE}, {args.steps} steps, CPU threads: {torch.get_num_threads()}\n"
-        f"swapped run: SwapConfig(swap_times={args.swap_times}, min_numel={args.min_numel}) on {backend_label}"
+        f"swapped run: SwapConfig(swap_times={args.swap_times}, min_numel={args.min_numel}, step={args.step!r}) on "
+        f"{backend_label}{'' if clips(args) else '; no gradient clipping in either run'}"
     )
 
     columns = (
@@ -587,7 +610,8 @@ def main() -> int:
     plots = {name: args.out / filename for name, filename in PLOTS.items()}
     plot_losses(plain, swapped, result, plots["loss"])
     plot_memory(baseline_bytes, swapped, backend_label, plots["memory"])
-    plot_timeline(trace, args.steps + 1, trace_clock(backend, device), plots["timeline"])
+    clock = trace_clock(backend, device)
+    plot_timeline(trace, args.steps + 1, clock, plots["timeline"], in_backward=args.step == "in_backward")
     summary_path = write_summary(
         args.out / "summary.json",
         backend=backend_label,
@@ -595,7 +619,14 @@ def main() -> int:
         steps=args.steps,
         corpus={"characters": len(corpus.tokens), "files": corpus.files, "vocabulary": len(corpus.alphabet)},
         model={"layers": LAYERS, "width": WIDTH, "heads": HEADS, "context": CONTEXT, "parameters": parameters},
-        config={"swap_times": args.swap_times, "min_numel": args.min_numel, "batch_size": BATCH_SIZE, **ADAMW},
+        config={
+            "swap_times": args.swap_times,
+            "min_numel": args.min_numel,
+            "step": args.step,
+            "clip_norm": CLIP_NORM if clips(args) else None,
+            "batch_size": BATCH_SIZE,
+            **ADAMW,
+        },
         parity=result,
         losses={"plain": plain.losses, "swapped": swapped.losses},
         memory={

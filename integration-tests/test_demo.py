@@ -62,6 +62,23 @@ BF16_PLOTS = ("bf16_loss_curves.png", "bf16_device_memory.png")
 
 
 @pytest.mark.slow
+def test_quick_demo_stepping_inside_the_backward_is_bitwise_the_plain_run(tmp_path: Path) -> None:
+    """``--step in_backward``: every batch of the swapped run updates inside the backward from the second step on;
+    neither run clips, and the losses stay bitwise identical; the plots include the traced step's timeline."""
+    out = tmp_path / "demo-in-backward"
+    completed = _run(DEMO, "--quick", "--steps", "6", "--backend", "sim", "--step", "in_backward", "--out", str(out))
+    assert "loss parity: identical" in completed.stdout and "no gradient clipping in either run" in completed.stdout
+    for name in PLOTS:
+        assert (out / name).read_bytes().startswith(PNG_SIGNATURE), f"{name} is not a PNG"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parity"] == {"identical": True, "max_abs_diff": 0.0, "final_parameters_identical": True}
+    assert summary["config"]["step"] == "in_backward" and summary["config"]["clip_norm"] is None
+    stats = summary["last_step_stats"]
+    assert stats["batches_in_backward"] == stats["batches"] == 4
+    phases = {(interval["batch"], interval["phase"]) for interval in summary["traced_step"]["intervals"]}
+    assert phases == {(batch, phase) for batch in range(4) for phase in ("h2d", "update", "d2h")}
+
+
 def test_bf16_demo_swapped_masters_are_bitwise_the_fp32_masters(tmp_path: Path) -> None:
     out = tmp_path / "demo-bf16"
     completed = _run(BF16_DEMO, "--steps", "4", "--checked", "--out", str(out))
