@@ -334,6 +334,26 @@ def test_accumulated_micro_batches_update_once_in_the_last_backward() -> None:
         _assert_same(plain_model, model, plain, optimizer, f"step {step}")
 
 
+def test_backwards_accumulated_before_the_first_step_without_accumulating_are_refused_before_anything_changes() -> None:
+    """A loop that accumulates micro-batches without ``opt.accumulating()`` (torchtune's and torchtitan's do) is
+    refused at its first step, which runs after the backward, instead of at its second, after the first
+    micro-batch's backward updated every batch."""
+    twin_model, model = _model(), _model()
+    optimizer = _in_backward(model, SimBackend(mode="lazy"))
+    for micro_batch in range(2):
+        _forward(model, _inputs(0, micro_batch)).backward()
+    with pytest.raises(SwapStateError, match=r"accumulated over several backwards .* before anything changed"):
+        optimizer.step()
+    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
+        assert_bitwise_equal(expected, actual, f"after the refusal: {name}")
+    assert not optimizer.state
+    optimizer.zero_grad(set_to_none=True)
+    with optimizer.accumulating():
+        _forward(model, _inputs(1, 0)).backward()
+    _forward(model, _inputs(1, 1)).backward()
+    optimizer.step()
+
+
 def test_a_second_backward_without_accumulating_is_refused_naming_the_fix() -> None:
     model = _model()
     optimizer = _in_backward(model, SimBackend())

@@ -91,6 +91,9 @@ class InBackwardStep:
         self._warned_of_streams = False
         self._seen = GradientWatch()
         """The gradients of a backward in which no step began, as their hooks saw them."""
+        self._repeated = False
+        """A hook saw a gradient it had seen since the last ``step()`` (backwards accumulating outside
+        :meth:`accumulating`)."""
         self.hook_params(sync.ordered_params())
         weakref.finalize(owner, InBackwardStep.remove_hooks, self)
 
@@ -137,6 +140,7 @@ class InBackwardStep:
             if started is None:
                 self._gave_up = True
                 if param.grad is not None:
+                    self._repeated = self._repeated or param in self._seen  # a second backward since step()
                     self._seen.note(param, param.grad)  # step() refuses it edited, before anything changes
                 return
         walk, scheduler = started.walk, self._sync.scheduler
@@ -160,11 +164,20 @@ class InBackwardStep:
         used; ``None`` when no step began (``step()`` then runs as after a backward)."""
         started, self._started = self._started, None
         seen, self._seen = self._seen, GradientWatch()
+        repeated, self._repeated = self._repeated, False
         self._final, self._gave_up = set(), False
         sync = self._sync
         if {id(param) for param in sync.ordered_params()} != self._hooked:
             self.hook_params(sync.ordered_params())  # a group added or params replaced: hooks on the new ones
         if started is None:
+            if repeated:
+                raise SwapStateError(
+                    "Gradients were accumulated over several backwards before step() outside opt.accumulating(): "
+                    "with SwapConfig(step='in_backward') the first backward would update the batches, before the "
+                    "others added to their gradients. Refused now, before anything changed: run the backwards of "
+                    "the micro-batches before the last one inside `with opt.accumulating():`, or use "
+                    "step='after_backward'"
+                )
             edited = seen.changed()
             if edited:
                 raise SwapStateError(
@@ -207,9 +220,8 @@ class InBackwardStep:
     def refuse_grad_scaler(self) -> NoReturn:
         """``GradScaler.step`` called this optimizer: raise, after ending a step that began inside the backward."""
         began = self._started is not None
-        if began:
-            with contextlib.suppress(SwapStateError):  # GradScaler's inf check wrote the gradients: the step ends
-                self.finish()
+        with contextlib.suppress(SwapStateError):  # GradScaler's inf check wrote the gradients; the step ends
+            self.finish()
         raise SwapStateError(
             "GradScaler cannot drive SwapConfig(step='in_backward'): the batches update inside the backward, before "
             "GradScaler can unscale the gradients or skip a step whose gradients hold inf or NaN. "
