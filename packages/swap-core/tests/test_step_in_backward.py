@@ -605,6 +605,28 @@ def test_a_load_and_a_new_param_group_are_taken_in_by_the_next_backward() -> Non
         assert optimizer.stats.batches_in_backward == in_backward, (step, optimizer.stats)
 
 
+def test_a_layer_unfrozen_later_gets_its_hooks_and_updates_inside_the_backward() -> None:
+    """Gradual unfreezing: a parameter frozen at wrapping has no hook (none can be registered); once it requires a
+    gradient, the step that makes its state hooks it, and from the next one every batch updates inside the
+    backward again, bitwise."""
+    plain_model, model = _model(), _model()
+    for frozen in (plain_model[0], model[0]):
+        frozen.requires_grad_(False)
+    plain = _rmsprop(plain_model)
+    optimizer = _in_backward(model, SimBackend(mode="random", seed=11))
+    for step in range(5):
+        if step == 2:
+            for unfrozen in (plain_model[0], model[0]):
+                unfrozen.requires_grad_(True)
+        for this_model, this_opt in ((plain_model, plain), (model, optimizer)):
+            _forward(this_model, _inputs(step)).backward()
+            this_opt.step()
+            this_opt.zero_grad(set_to_none=True)
+        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        if step in (1, 4):  # after the first step, and after the one that made the unfrozen layer's state
+            assert optimizer.stats.batches_in_backward == optimizer.stats.batches, (step, optimizer.stats)
+
+
 def _rmsprop_of(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.RMSprop(params, lr=1e-2, momentum=0.9, weight_decay=0.01)
 

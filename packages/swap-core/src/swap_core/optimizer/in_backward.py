@@ -100,10 +100,10 @@ class InBackwardStep:
     def hook_params(self, params: list[torch.Tensor]) -> None:
         """A post-accumulate-grad hook on each of ``params`` that takes a gradient (the others are never waited for)."""
         self.remove_hooks()
-        self._hooked = {id(param) for param in params}
+        self._hooked = {id(param) for param in params if _takes_gradients(param)}
         this = weakref.ref(self)
         for param in params:
-            if param.requires_grad and param.is_leaf:
+            if _takes_gradients(param):
                 hook = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                     lambda param, this=this: _gradient_final(this, param)
                 )
@@ -167,8 +167,8 @@ class InBackwardStep:
         repeated, self._repeated = self._repeated, False
         self._final, self._gave_up = set(), False
         sync = self._sync
-        if {id(param) for param in sync.ordered_params()} != self._hooked:
-            self.hook_params(sync.ordered_params())  # a group added or params replaced: hooks on the new ones
+        if {id(param) for param in sync.ordered_params() if _takes_gradients(param)} != self._hooked:
+            self.hook_params(sync.ordered_params())  # a group added, params replaced or unfrozen: hooks on them
         if started is None:
             if repeated:
                 raise SwapStateError(
@@ -269,6 +269,11 @@ class InBackwardStep:
                 UserWarning,
             )
 
+    def _states_of_every_trained_param(self) -> bool:
+        """Whether every parameter that requires a gradient has its state (frozen ones never get one)."""
+        state = self._sync.state
+        return all(state.get(param) for param in self._sync.ordered_params() if param.requires_grad)
+
     def _order_after_the_hooks_stream(self) -> None:
         """Order the steps' stream after the stream this hook runs under, when they differ: FSDP2 runs the hooks
         under its post-reduce stream, where the reduce-scatter that wrote the gradient may still be running."""
@@ -282,7 +287,8 @@ class InBackwardStep:
         return all(id(param) in final for _, param in params if param.requires_grad)
 
     def _begin(self) -> _Started | None:
-        """Begin the step over the current plan (after the user's edits), if it has batches and every state."""
+        """Begin the step over the current plan (after the user's edits), if it has batches and every parameter that
+        requires a gradient has its state."""
         sync, plans = self._sync, self._plans
         with sync.scheduler.working():
             try:
@@ -290,7 +296,7 @@ class InBackwardStep:
                 plan = plans.current()
             except Exception:  # a refused edit or state: step() raises it, after the backward, before any change
                 return None
-            if not plan.all_states_exist or not plan.batches:
+            if not plan.batches or not (plan.all_states_exist or self._states_of_every_trained_param()):
                 return None
         scope = contextlib.ExitStack()
         try:
@@ -317,6 +323,11 @@ class InBackwardStep:
         if started is not None:
             started.scope.close()
             started.run.release()
+
+
+def _takes_gradients(param: torch.Tensor) -> bool:
+    """Whether a backward can accumulate a gradient into ``param`` (a leaf that requires one): it gets a hook."""
+    return param.requires_grad and param.is_leaf
 
 
 def _gradient_final(this: weakref.ref[InBackwardStep], param: torch.Tensor) -> None:
