@@ -7,6 +7,11 @@ has built them keeps all of that, and the container's own hooks::
 
     optimizer = SwappedOptimizersContainer.Config(param_groups=default_adamw(lr=3e-4).param_groups)
     optimizers = optimizer.build(model_parts=model_parts)
+
+``swap=SwapConfig(step="in_backward")`` is the swapped counterpart of torchtitan's early step in
+backward (``OptimizersInBackwardContainer``, one optimizer per parameter): each optimizer's batches
+update from the gradient hooks. That mode refuses gradient clipping (``max_norm``) and gradient
+accumulation without ``opt.accumulating()`` at the first step, before anything changes.
 """
 
 from __future__ import annotations

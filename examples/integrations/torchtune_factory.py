@@ -12,7 +12,11 @@ then reads::
         swap_times: 16
 
 Keep ``optimizer_in_bwd: False`` (the default): stepping inside backward hooks creates one
-optimizer per parameter, which leaves nothing to stream in batches.
+optimizer per parameter, which leaves nothing to stream in batches. To step inside the backward,
+swapped, set ``swap: {step: in_backward}`` instead: each batch of states updates from the gradient
+hooks as soon as its gradients are final. That mode refuses ``clip_grad_norm`` and
+``gradient_accumulation_steps`` above 1 (torchtune's loop runs its micro-batches' backwards without
+``opt.accumulating()``), at the first step, before anything changes.
 """
 
 from __future__ import annotations

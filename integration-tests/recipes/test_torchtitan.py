@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, SwapOptimizer
+from swap_core.config import StepMode
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 
@@ -58,9 +59,9 @@ def _train(parts: list[torch.nn.Module], optimizers: Any, steps: int, seed: int)
         optimizers.zero_grad()
 
 
-def _swapped(parts: list[torch.nn.Module], implementation: str, seed: int) -> Any:
+def _swapped(parts: list[torch.nn.Module], implementation: str, seed: int, step: StepMode = "after_backward") -> Any:
     param_groups = optimizer_components.default_adamw(lr=1e-3).param_groups
-    swap = SwapConfig(backend=SimBackend(mode="random", seed=seed), swap_times=2, min_numel=64)
+    swap = SwapConfig(backend=SimBackend(mode="random", seed=seed), swap_times=2, min_numel=64, step=step)
     config = SwappedOptimizersContainer.Config(param_groups=param_groups, implementation=implementation, swap=swap)
     return config.build(model_parts=parts)
 
@@ -87,17 +88,23 @@ def _assert_flat_equal(expected: dict[str, Any], actual: dict[str, Any], where: 
             assert value == actual[key], f"{where}: {key} is {actual[key]!r}, expected {value!r}"
 
 
+@pytest.mark.parametrize("step", ["after_backward", "in_backward"])
 @pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
-def test_swapped_container_trains_and_checkpoints_bitwise(implementation: str) -> None:
+def test_swapped_container_trains_and_checkpoints_bitwise(implementation: str, step: StepMode) -> None:
+    """``in_backward``: the swapped counterpart of torchtitan's early step in backward (its
+    ``OptimizersInBackwardContainer``), each optimizer's batches updating from the gradient hooks, the container's
+    loop unchanged (without gradient clipping, which the mode refuses)."""
     plain_parts, swapped_parts = _model_parts(), _model_parts()
     plain = _plain(plain_parts, implementation)
-    swapped = _swapped(swapped_parts, implementation, seed=1)
+    swapped = _swapped(swapped_parts, implementation, seed=1, step=step)
     assert type(swapped) is SwappedOptimizersContainer and len(swapped) == len(plain) == 2
     assert all(isinstance(optimizer, SwapOptimizer) for optimizer in swapped)
 
     _train(plain_parts, plain, FIRST, seed=2)
     _train(swapped_parts, swapped, FIRST, seed=2)
     assert all(optimizer.stats.h2d_bytes > 0 for optimizer in swapped)
+    if step == "in_backward":
+        assert all(optimizer.stats.batches_in_backward == optimizer.stats.batches for optimizer in swapped)
     _assert_equal(plain_parts, swapped_parts, "after the first steps")
     flat = swapped.state_dict()
     assert "state.input.weight.exp_avg" in flat and "state.output.weight.exp_avg_sq" in flat, sorted(flat)[:4]
@@ -107,7 +114,7 @@ def test_swapped_container_trains_and_checkpoints_bitwise(implementation: str) -
     resumed_parts = _model_parts()
     for resumed_part, swapped_part in zip(resumed_parts, swapped_parts, strict=True):
         resumed_part.load_state_dict(swapped_part.state_dict())
-    resumed = _swapped(resumed_parts, implementation, seed=3)
+    resumed = _swapped(resumed_parts, implementation, seed=3, step=step)
     resumed.load_state_dict(flat)
     _train(plain_parts, plain, SECOND, seed=4)
     _train(resumed_parts, resumed, SECOND, seed=4)

@@ -34,8 +34,12 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def test_the_config_component_builds_a_swapped_adamw() -> None:
-    swap = {"backend": "sim", "swap_times": 2, "min_numel": 64}
+@pytest.mark.parametrize("step", ["after_backward", "in_backward"])
+def test_the_config_component_builds_a_swapped_adamw(step: str) -> None:
+    """``in_backward``: the swapped counterpart of torchtune's ``optimizer_in_bwd`` (which builds one optimizer per
+    parameter, nothing to stream in batches): keep ``optimizer_in_bwd: False`` and set ``swap.step``; the recipe's
+    loop is unchanged, without ``clip_grad_norm`` and gradient accumulation, which the mode refuses."""
+    swap = {"backend": "sim", "swap_times": 2, "min_numel": 64, "step": step}
     component = {"_component_": "torchtune_factory.swapped_adamw", "lr": 2e-3, "weight_decay": 0.01, "swap": swap}
     cfg = omegaconf.OmegaConf.create({"optimizer": component})
     model, plain_model = _model(), _model()
@@ -48,6 +52,8 @@ def test_the_config_component_builds_a_swapped_adamw() -> None:
     _train(model, optimizer)
     _train(plain_model, plain)
     assert optimizer.stats.h2d_bytes > 0
+    if step == "in_backward":
+        assert optimizer.stats.batches_in_backward == optimizer.stats.batches == 2
     for index, (expected, actual) in enumerate(zip(plain_model.parameters(), model.parameters(), strict=True)):
         assert_bitwise_equal(expected, actual, f"parameter {index}")
     assert_state_dicts_equal(plain.state_dict(), optimizer.state_dict(), "optimizer")
