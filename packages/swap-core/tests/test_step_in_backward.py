@@ -344,9 +344,7 @@ def test_backwards_accumulated_before_the_first_step_without_accumulating_are_re
         _forward(model, _inputs(0, micro_batch)).backward()
     with pytest.raises(SwapStateError, match=r"accumulated over several backwards .* before anything changed"):
         optimizer.step()
-    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
-        assert_bitwise_equal(expected, actual, f"after the refusal: {name}")
-    assert not optimizer.state
+    _assert_never_stepped(twin_model, model, optimizer)
     optimizer.zero_grad(set_to_none=True)
     with optimizer.accumulating():
         _forward(model, _inputs(1, 0)).backward()
@@ -474,9 +472,8 @@ def test_grad_scaler_is_refused_at_the_first_step_before_anything_changes(unscal
         scaler.unscale_(optimizer)
     with pytest.raises(SwapStateError, match=r"GradScaler cannot drive .*Nothing was updated\. Use step='after_b"):
         scaler.step(optimizer)
-    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
-        assert_bitwise_equal(expected, actual, f"after the refusal: {name}")
-    assert not optimizer.state and not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+    _assert_never_stepped(twin_model, model, optimizer)
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
     optimizer.zero_grad(set_to_none=True)
     _forward(model, _inputs(1)).backward()
     optimizer.step()
@@ -508,9 +505,7 @@ def test_a_gradient_clipped_after_the_first_backward_is_refused_before_anything_
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
     with pytest.raises(SwapStateError, match=r"changed between the backward and step\(\) .* refused now, before"):
         optimizer.step()
-    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
-        assert_bitwise_equal(expected, actual, f"after the refusal: {name}")
-    assert not optimizer.state
+    _assert_never_stepped(twin_model, model, optimizer)
     optimizer.zero_grad(set_to_none=True)
     _forward(model, _inputs(1)).backward()  # the loop goes on without clipping
     optimizer.step()
@@ -625,6 +620,13 @@ def test_a_layer_unfrozen_later_gets_its_hooks_and_updates_inside_the_backward()
         _assert_same(plain_model, model, plain, optimizer, f"step {step}")
         if step in (1, 4):  # after the first step, and after the one that made the unfrozen layer's state
             assert optimizer.stats.batches_in_backward == optimizer.stats.batches, (step, optimizer.stats)
+
+
+def _assert_never_stepped(twin_model: torch.nn.Module, model: torch.nn.Module, optimizer: SwapOptimizer) -> None:
+    """After a refusal at the first step: the parameters as the twin's that never stepped, and no state."""
+    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
+        assert_bitwise_equal(expected, actual, f"after the refusal: {name}")
+    assert not optimizer.state
 
 
 def _rmsprop_of(params: list[torch.Tensor]) -> torch.optim.Optimizer:

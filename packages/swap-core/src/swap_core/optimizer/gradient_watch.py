@@ -20,9 +20,6 @@ class GradientWatch:
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self._noted
 
-    def __len__(self) -> int:
-        return len(self._noted)
-
     def note(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """``grad``, ``param``'s gradient now (noting it again replaces what was noted)."""
         self._noted[id(param)] = (param, grad, tensor_version(local_tensor(grad)))
