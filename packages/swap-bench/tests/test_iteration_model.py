@@ -3,13 +3,15 @@
 Deterministic (the virtual clock), so the goals are asserted: at world 8 on PCIe 5's achievable rates the swapped
 iteration stays within 1.03 x the unswapped one at 4k tokens a rank, 1.05 x with master weights, 1.005 x at 64k.
 Planted extra waits (updates held back to ``step()``; each copy-in behind the copy-out before it) break them.
-Where the link cannot keep up (world 1 with master weights), the iteration is within 1.05 x of the transfers'
-bound; the goal of 1.03 x is not met yet (a strict xfail).
+Where the link cannot keep up (world 1 with master weights), the iteration is within 1.03 x of the transfers'
+bound with three staging buffers (1.05 x with two); a copy-in held behind the copy-out two batches before it, as
+with two, breaks that.
 The table of docs/step-in-backward.md is what :func:`~swap_bench.iteration.model_iteration` gives today.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -17,12 +19,19 @@ import pytest
 
 from swap_bench.iteration import IterationModel, IterationRow, documented_models, iteration_table, model_iteration
 from swap_core.optimizer.in_backward import InBackwardStep
-from swap_core.runtime.staging import ArenaStaging
+from swap_core.runtime.staging import ArenaStaging, Offloaded
 
 pytestmark = pytest.mark.sim_only
 
 ROOT = Path(__file__).resolve().parents[3]
-WORLD_8_4K, WORLD_8_4K_MASTERS, WORLD_8_64K, WORLD_8_4K_MASTERS_8_A_HOST, WORLD_1_MASTERS = documented_models()
+(
+    WORLD_8_4K,
+    WORLD_8_4K_MASTERS,
+    WORLD_8_64K,
+    WORLD_8_4K_MASTERS_8_A_HOST,
+    WORLD_1_MASTERS,
+    WORLD_1_MASTERS_3_STAGED,
+) = documented_models()
 
 
 def _inside_over_unswapped(spec: IterationModel) -> float:
@@ -43,23 +52,49 @@ def test_the_iteration_inside_the_backward_is_within_the_goal_of_the_unswapped_o
     assert row.after_backward_seconds > goal * row.unswapped_seconds, "the goal is one the step after it misses"
 
 
-def test_where_the_link_cannot_keep_up_the_iteration_is_within_5_percent_of_the_transfers_bound() -> None:
-    """World 1 with master weights: 81 GB each way. Each copy-in waits only for its own batch's last copy-out, so
-    the next walk's first batch, prefetched after step(), comes in while the last ones still go out (1.072 x while
-    that copy-in waited for the step's last copy-out)."""
-    row = model_iteration(WORLD_1_MASTERS)
-    assert row.transfer_bound_seconds > row.unswapped_seconds, "the transfers bind"
-    assert row.in_backward_seconds <= 1.05 * row.lower_bound_seconds, row
+def test_where_the_link_cannot_keep_up_three_staging_buffers_come_within_3_percent_of_the_transfers_bound() -> None:
+    """World 1 with master weights: 81 GB each way. With two staging buffers a batch's copy-in waits for the
+    copy-out of the batch two before it, which follows that batch's update: 1.044 x the bound, within 1.05 x but
+    not 1.03 x. A third lets each copy-in run one batch further ahead (1.008 x), for one more batch of device
+    memory."""
+    two, three = model_iteration(WORLD_1_MASTERS), model_iteration(WORLD_1_MASTERS_3_STAGED)
+    assert two.transfer_bound_seconds > two.unswapped_seconds, "the transfers bind"
+    assert two.in_backward_seconds <= 1.05 * two.lower_bound_seconds, two
+    assert two.in_backward_seconds > 1.03 * two.lower_bound_seconds, "two buffers miss the goal three meet"
+    assert three.in_backward_seconds <= 1.03 * three.lower_bound_seconds, three
+    four = model_iteration(dataclasses.replace(WORLD_1_MASTERS, staging_buffers=4))
+    assert four.in_backward_seconds >= 0.999 * three.in_backward_seconds, "a fourth buffer gains nothing more"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not met yet (1.044 x): with two staging buffers a batch's copy-in waits for the copy-out of the batch "
-    "two before, which begins only after that batch's update, so the link idles in one direction during updates",
-)
-def test_where_the_link_cannot_keep_up_the_iteration_is_within_3_percent_of_the_transfers_bound() -> None:
-    row = model_iteration(WORLD_1_MASTERS)
-    assert row.in_backward_seconds <= 1.03 * row.lower_bound_seconds, row
+def test_where_the_link_keeps_up_a_third_staging_buffer_changes_nothing() -> None:
+    two = model_iteration(WORLD_8_4K_MASTERS)
+    three = model_iteration(dataclasses.replace(WORLD_8_4K_MASTERS, staging_buffers=3))
+    assert three.in_backward_seconds == pytest.approx(two.in_backward_seconds, rel=1e-3)
+
+
+def test_three_buffers_with_each_copy_in_held_behind_the_copy_out_two_before_break_the_goal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Planted: with three arenas, each copy-in also waits for the copy-out of the batch two before it (an extra
+    wait, what two arenas need), so the third buffer buys nothing."""
+    walk = ArenaStaging.walk
+
+    def held_two_back(self: ArenaStaging, *args: object, **kwargs: object) -> object:
+        staging_walk = walk(self, *args, **kwargs)  # type: ignore[arg-type]
+        offloads: dict[int, Offloaded] = {}
+        copied_out = staging_walk.copied_out
+
+        def record(position: int, offloaded: Offloaded) -> None:
+            offloads[position] = offloaded
+            copied_out(position, offloaded)
+
+        staging_walk.copied_out = record  # type: ignore[method-assign]
+        staging_walk.before_copy_in = lambda position: offloads.get(position - 2)  # type: ignore[method-assign]
+        return staging_walk
+
+    monkeypatch.setattr(ArenaStaging, "walk", held_two_back)
+    row = model_iteration(WORLD_1_MASTERS_3_STAGED)
+    assert row.in_backward_seconds > 1.03 * row.lower_bound_seconds, row
 
 
 def test_an_update_held_back_to_step_breaks_the_goal(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -175,6 +175,33 @@ def test_plan_with_tokens_models_whole_iterations_and_skips_what_it_cannot(
     assert "must be a number in (0, 1], got 1.5" in capsys.readouterr().err
 
 
+def test_plan_with_staging_buffers_models_each_count_in_the_step_and_iteration_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--staging-buffers 2 3``: a row each; the third buffer holds one more of llama-7b's balanced batches on the
+    device (the exact bytes of any batches are the conformance suite's accounting checks) and moves the same
+    bytes."""
+    path, markdown = tmp_path / "plan.json", tmp_path / "plan.md"
+    argv = ["plan", "--model", "llama-7b", "--world", "8", "--link", "pcie5-achievable", "--swap-times", "8"]
+    argv += ["--master-weights", "--staging-buffers", "2", "3", "--tokens", "2048"]
+    assert main([*argv, "--json", str(path), "--markdown", str(markdown)]) == 0
+    document: dict[str, Any] = json.loads(path.read_text())
+    two, three = document["modeled_rows"]
+    assert (two["staging_buffers"], three["staging_buffers"]) == (2, 3)
+    assert three["device_peak_state_bytes"] == pytest.approx(1.5 * two["device_peak_state_bytes"], rel=0.02)
+    assert three["device_peak_state_bytes"] > two["device_peak_state_bytes"]
+    assert (three["h2d_bytes"], three["copies"]) == (two["h2d_bytes"], two["copies"])
+    spec = IterationModel(
+        MODELS["llama-7b"], 8, 2048, OPTIMIZERS["adamw"], "pcie5-achievable", 8, master_weights=True, staging_buffers=3
+    )
+    assert document["iteration_rows"][1] == model_iteration(spec).as_dict()
+    assert "| 8 (3 staged) |" in markdown.read_text()
+    assert "8 (3 staged)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-1b", "--staging-buffers", "1"])
+    assert "argument --staging-buffers: must be an integer >= 2, got 1" in capsys.readouterr().err
+
+
 def test_plan_command_models_achievable_figures_and_ranks_sharing_a_host(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 import pytest
@@ -17,6 +18,8 @@ pytestmark = pytest.mark.sim_only  # the capacity is the simulator's
 
 SHAPES = ((64, 64), (64, 64), (128, 32), (4096,), (32, 32), (64, 48), (96, 40), (2048,))
 MIB = 1 << 20
+CAPACITIES = ((96, 2), (160, 2), (400, 2), (4096, 2), (160, 3), (400, 3), (4096, 3))
+"""Device memory (KiB) and staging buffers of the auto checks."""
 
 
 def _params() -> list[torch.Tensor]:
@@ -58,10 +61,15 @@ def _pair(sim: SimBackend, **options: object) -> tuple[list[torch.Tensor], torch
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-@pytest.mark.parametrize("capacity_kib", [96, 160, 400, 4096])
-def test_auto_takes_the_fewest_batches_that_fit_and_steps_bitwise(packed: bool, capacity_kib: int) -> None:
+@pytest.mark.parametrize("capacity_kib,buffers", CAPACITIES, ids=[f"{kib}KiB-{n}staged" for kib, n in CAPACITIES])
+def test_auto_takes_the_fewest_batches_that_fit_and_steps_bitwise(
+    packed: bool, capacity_kib: int, buffers: int
+) -> None:
+    """Each count's staging as ``staging_buffers`` lays it out: three buffers need more batches in the same memory
+    (in 96 KiB they fit nowhere: refused below)."""
     sim = SimBackend(mode="random", seed=1, device_memory=capacity_kib * 1024)
-    reference_params, reference, params, swapped = _pair(sim, swap_times="auto", packed=packed)
+    options = {"packed": packed, "staging_buffers": buffers}
+    reference_params, reference, params, swapped = _pair(sim, swap_times="auto", **options)
     for step in range(4):
         for values, optimizer in ((reference_params, reference), (params, swapped)):
             _set_grads(values, step)
@@ -76,7 +84,7 @@ def test_auto_takes_the_fewest_batches_that_fit_and_steps_bitwise(packed: bool, 
     assert sim.max_memory_reserved() <= sim.device_memory
     if stats.batches > 1:  # one batch fewer would not fit
         fewer = SimBackend(mode="sync", device_memory=sim.device_memory)
-        _, _, fewer_params, one_less = _pair(fewer, swap_times=stats.batches - 1, packed=packed)
+        _, _, fewer_params, one_less = _pair(fewer, swap_times=stats.batches - 1, **options)
         for step in range(2):
             _set_grads(fewer_params, step)
             one_less.step()
@@ -135,13 +143,20 @@ def test_an_out_of_memory_while_staging_replans_with_more_batches_once() -> None
     assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after the retried step")
 
 
-def test_nothing_that_fits_is_refused_before_anything_changes() -> None:
-    sim = SimBackend(mode="lazy", device_memory=8 * 1024)
-    _, _, params, swapped = _pair(sim, swap_times="auto")
+@pytest.mark.parametrize(
+    "capacity_kib,buffers,remedy",
+    [(8, 2, "use more devices$"), (96, 3, r"stage fewer batches at a time \(staging_buffers=2 instead of 3\)")],
+)
+def test_nothing_that_fits_is_refused_before_anything_changes(capacity_kib: int, buffers: int, remedy: str) -> None:
+    sim = SimBackend(mode="lazy", device_memory=capacity_kib * 1024)
+    _, _, params, swapped = _pair(sim, swap_times="auto", staging_buffers=buffers)
     before = [param.detach().clone() for param in params]
     _set_grads(params, 0)
-    with pytest.raises(DeviceMemoryError, match=r"even \d+ batches .* need \d+ bytes .* device_memory_fraction"):
+    with pytest.raises(
+        DeviceMemoryError, match=r"even \d+ batches .* need \d+ bytes .* device_memory_fraction"
+    ) as info:
         swapped.step()
+    assert re.search(remedy, str(info.value)), str(info.value)
     for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
         assert_bitwise_equal(expected, actual, f"parameter {index}")
     assert not any(swapped.state.get(param) for param in params)

@@ -11,6 +11,8 @@ from swap_core import SwapConfig
         ("swap_times", True, TypeError, "swap_times must be an int, got True"),
         ("swap_times", 2.0, TypeError, "swap_times must be an int, got 2.0"),
         ("min_numel", -1, ValueError, "Invalid SwapConfig.min_numel: -1"),
+        ("staging_buffers", 1, ValueError, "Invalid SwapConfig.staging_buffers: 1"),
+        ("staging_buffers", 3.0, TypeError, "staging_buffers must be an int, got 3.0"),
         ("max_batch_bytes", 0, ValueError, "Invalid SwapConfig.max_batch_bytes: 0"),
         ("max_batch_bytes", -5, ValueError, "Invalid SwapConfig.max_batch_bytes: -5"),
         ("offload_fraction", 1.5, ValueError, "Invalid SwapConfig.offload_fraction: 1.5"),
@@ -35,6 +37,7 @@ def test_bad_values_name_the_value(field: str, value: object, error: type[Except
 def test_defaults_and_normalization() -> None:
     config = SwapConfig(state_keys=["square_avg"], offload_fraction=1)
     assert config.swap_times == 16 and config.packed and config.duplex and config.backend == "auto"
+    assert config.staging_buffers == 2
     assert config.state_keys == ("square_avg",)
 
 

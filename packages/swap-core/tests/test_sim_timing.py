@@ -392,10 +392,12 @@ def whole_arena_after_first_half() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("whole_arena_after_first_half")
-def test_the_race_checker_catches_a_second_half_copied_in_too_early() -> None:
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_the_race_checker_catches_a_second_half_copied_in_too_early(buffers: int) -> None:
     sim = SimBackend(mode="lazy", seed=0, on_race="record")
     params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(8)]
-    optimizer = swap_optimizer(torch.optim.AdamW(params), SwapConfig(backend=sim, swap_times=4))
+    config = SwapConfig(backend=sim, swap_times=4, staging_buffers=buffers)
+    optimizer = swap_optimizer(torch.optim.AdamW(params), config)
     for _ in range(2):
         for param in params:
             param.grad = torch.ones_like(param)

@@ -11,7 +11,16 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["HelpFormatter", "byte_size", "command_parser", "count", "fraction", "output_file", "positive_count"]
+__all__ = [
+    "HelpFormatter",
+    "byte_size",
+    "command_parser",
+    "count",
+    "fraction",
+    "output_file",
+    "positive_count",
+    "staging_count",
+]
 
 
 def positive_count(text: str) -> int:
@@ -19,6 +28,14 @@ def positive_count(text: str) -> int:
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def staging_count(text: str) -> int:
+    """An int >= 2 (``SwapConfig.staging_buffers``)."""
+    value = _int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {text}")
     return value
 
 

@@ -52,6 +52,8 @@ class IterationModel:
     preset as it stands, one rank alone on its host."""
     utilization: float = 0.4
     """The forward's and backward's share of the device's matmul peak (``LinkModel.device_tflops``)."""
+    staging_buffers: int = 2
+    """Batches staged on the device at a time (``SwapConfig.staging_buffers``)."""
 
     @property
     def compute_seconds(self) -> float:
@@ -72,6 +74,7 @@ class IterationRow:
     master_weights: bool
     ranks_per_node: int
     swap_times: int
+    staging_buffers: int
     compute_seconds: float
     """The forward and backward alone."""
     unswapped_seconds: float
@@ -112,6 +115,7 @@ def model_iteration(spec: IterationModel) -> IterationRow:
         master_weights=spec.master_weights,
         ranks_per_node=spec.ranks_per_node,
         swap_times=spec.swap_times,
+        staging_buffers=spec.staging_buffers,
         compute_seconds=spec.compute_seconds,
         unswapped_seconds=unswapped,
         after_backward_seconds=after_backward,
@@ -137,7 +141,13 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
             optimizer.zero_grad(set_to_none=True)
 
     else:
-        config = SwapConfig(backend=backend, swap_times=spec.swap_times, master_weights=spec.master_weights, step=step)
+        config = SwapConfig(
+            backend=backend,
+            swap_times=spec.swap_times,
+            staging_buffers=spec.staging_buffers,
+            master_weights=spec.master_weights,
+            step=step,
+        )
         optimizer = swap_optimizer(optimizer, config)
 
         def run_step() -> None:
@@ -217,14 +227,14 @@ class _LayerNode(torch.autograd.Function):
 def iteration_table(rows: Sequence[IterationRow]) -> str:
     """``rows`` as a markdown table: the iteration each way, and the swapped ones over the lower bound."""
     lines = [
-        "| model | world | tokens a rank | masters | ranks a host | batches | unswapped | after the backward | "
-        "inside the backward | transfers' bound | inside / lower bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | world | tokens a rank | masters | ranks a host | batches | staged | unswapped | "
+        "after the backward | inside the backward | transfers' bound | inside / lower bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row.name} | {row.world} | {row.tokens:,} | {'yes' if row.master_weights else 'no'} | "
-            f"{row.ranks_per_node} | {row.swap_times} | {row.unswapped_seconds * 1e3:.1f} ms | "
+            f"{row.ranks_per_node} | {row.swap_times} | {row.staging_buffers} | {row.unswapped_seconds * 1e3:.1f} ms | "
             f"{row.after_backward_seconds * 1e3:.1f} ms ({row.after_backward_seconds / row.unswapped_seconds:.3f} x) | "
             f"{row.in_backward_seconds * 1e3:.1f} ms ({row.in_backward_seconds / row.unswapped_seconds:.3f} x) | "
             f"{row.transfer_bound_seconds * 1e3:.1f} ms | {row.in_backward_seconds / row.lower_bound_seconds:.3f} x |"
@@ -235,7 +245,8 @@ def iteration_table(rows: Sequence[IterationRow]) -> str:
 def documented_models() -> list[IterationModel]:
     """The rows of docs/step-in-backward.md: a llama-7b rank with AdamW on PCIe 5 at its achievable rates, 8
     batches (16 at world 1), 40% of the peak: at world 8 with 4k and 64k tokens, with and without master weights,
-    one and eight ranks a host; at world 1 with master weights, where the link cannot keep up."""
+    one and eight ranks a host; at world 1 with master weights, where the link cannot keep up, with two staging
+    buffers and with three."""
     llama, adamw, link = MODELS["llama-7b"], OPTIMIZERS["adamw"], "pcie5-achievable"
     return [
         IterationModel(llama, 8, 4096, adamw, link, swap_times=8),
@@ -243,4 +254,5 @@ def documented_models() -> list[IterationModel]:
         IterationModel(llama, 8, 65536, adamw, link, swap_times=8),
         IterationModel(llama, 8, 4096, adamw, link, swap_times=8, master_weights=True, ranks_per_node=8),
         IterationModel(llama, 1, 4096, adamw, link, swap_times=16, master_weights=True),
+        IterationModel(llama, 1, 4096, adamw, link, swap_times=16, master_weights=True, staging_buffers=3),
     ]

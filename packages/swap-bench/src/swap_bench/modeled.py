@@ -54,6 +54,8 @@ class StepModel:
     copies get the preset's host memory bandwidth divided by this."""
     packed: bool = True
     duplex: bool = True
+    staging_buffers: int = 2
+    """Batches staged on the device at a time (``SwapConfig.staging_buffers``)."""
     world: int = 1
     rank: int = 0
     optimizer_options: Mapping[str, object] = dataclasses.field(default_factory=dict)
@@ -118,11 +120,18 @@ class ModeledRow:
     """Busy time of the busier link direction, at its bandwidth alone, over ``modeled_transfer_seconds``."""
     device_memory: int | None = None
     """The device bytes the swap could use (``StepModel.device_memory``), or ``None``: unlimited."""
+    staging_buffers: int = 2
+    """Batches staged on the device at a time (``SwapConfig.staging_buffers``)."""
 
     @property
     def batches_label(self) -> str:
-        """``swap_times`` as a table shows it: the number, or the number ``"auto"`` chose."""
-        return f"{self.batches} (auto)" if self.swap_times == "auto" else str(self.swap_times)
+        """``swap_times`` as a table shows it: the number, or the number ``"auto"`` chose; and the staging buffers
+        where they are not the default two."""
+        notes = ["auto"] if self.swap_times == "auto" else []
+        if self.staging_buffers != 2:
+            notes.append(f"{self.staging_buffers} staged")
+        count = self.batches if self.swap_times == "auto" else self.swap_times
+        return f"{count} ({', '.join(notes)})" if notes else str(count)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -176,6 +185,7 @@ def model_step(model: StepModel) -> ModeledRow:
         bound_seconds=_pipeline_bound(copy_in, update_seconds, copy_out, both_ways, batches),
         link_utilization=busiest / stats.modeled_transfer_seconds if stats.modeled_transfer_seconds > 0 else 0.0,
         device_memory=model.device_memory,
+        staging_buffers=model.staging_buffers,
     )
 
 
@@ -202,6 +212,7 @@ def _steady_swapped_step(
         swap_times=model.swap_times,
         packed=model.packed,
         duplex=model.duplex,
+        staging_buffers=model.staging_buffers,
         master_weights=model.master_weights,
         offload_fraction=offload_fraction,
     )

@@ -32,7 +32,7 @@ from rich.progress import Progress
 from swap_core.errors import AdapterNotFoundError, DeviceMemoryError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import byte_size, command_parser, count, fraction, output_file, positive_count
+from .arguments import byte_size, command_parser, count, fraction, output_file, positive_count, staging_count
 from .iteration import IterationModel, IterationRow, model_iteration
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
@@ -65,10 +65,12 @@ def plan_model(
     rank: int = 0,
     ranks_per_node: int = 1,
     device_memory: int | None = None,
+    staging_buffers: int = 2,
 ) -> ModeledRow:
     """Model rank ``rank``'s step for ``model`` sharded over ``world`` ranks by FSDP2, ``ranks_per_node`` of them
     sharing the host memory of the link preset ``link``; ``device_memory``: the device bytes the swap may use
-    (``swap_times="auto"`` chooses the batches from them, and a staging beyond them is an out-of-memory).
+    (``swap_times="auto"`` chooses the batches from them, and a staging beyond them is an out-of-memory);
+    ``staging_buffers``: batches staged at a time (``SwapConfig.staging_buffers``).
 
     Parameters are bf16 with ``master_weights`` (fp32 masters swapped with the states), fp32 otherwise.
     The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own;
@@ -102,6 +104,7 @@ def plan_model(
         optimizer_options={} if optimizer == "muon" else {"foreach": True},
         fsdp2=distributed,
         device_memory=device_memory,
+        staging_buffers=staging_buffers,
     )
     return model_step(step)
 
@@ -133,18 +136,22 @@ def plan_combinations(
     rank: int = 0,
     ranks_per_node: Sequence[int] = (1,),
     device_memory: int | None = None,
+    staging_buffers: Sequence[int] = (2,),
 ) -> tuple[list[ModeledRow], list[dict[str, str]]]:
     """Every combination, with a progress bar; a combination that cannot be modeled is a skipped row. With
     ``device_memory``, each combination's recommended count and its neighbours (:func:`recommend`) instead of
     ``swap_times``."""
     counts: Sequence[int | None] = [None] if device_memory is not None else swap_times
-    combinations = list(itertools.product(models, worlds, links, ranks_per_node, counts))
+    combinations = list(itertools.product(models, worlds, links, ranks_per_node, counts, staging_buffers))
     rows: list[ModeledRow] = []
     skipped: list[dict[str, str]] = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(combinations))
-        for model, world, link, node_ranks, k in combinations:
-            label = f"{model.name} {optimizer} world={world} rank={rank} {link} ranks/node={node_ranks} k={k or 'auto'}"
+        for model, world, link, node_ranks, k, buffers in combinations:
+            label = (
+                f"{model.name} {optimizer} world={world} rank={rank} {link} ranks/node={node_ranks} k={k or 'auto'} "
+                f"staged={buffers}"
+            )
             progress.update(task, description=label)
             options: dict[str, Any] = {
                 "world": world,
@@ -152,6 +159,7 @@ def plan_combinations(
                 "master_weights": master_weights,
                 "rank": rank,
                 "ranks_per_node": node_ranks,
+                "staging_buffers": buffers,
             }
             try:
                 if k is None:
@@ -187,6 +195,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         rank=args.rank,
         ranks_per_node=args.ranks_per_node,
         device_memory=args.device_memory,
+        staging_buffers=args.staging_buffers,
     )
     document = _plan_report(rows, skipped, models, console, rank=args.rank)
     if args.tokens:
@@ -210,14 +219,19 @@ def plan_iterations(
     progress bar; one that cannot be modeled (ranks per node above the world, an optimizer the step inside the
     backward refuses) is a skipped row."""
     combinations = list(
-        itertools.product(models, args.world, args.tokens, args.link, args.ranks_per_node, args.swap_times)
+        itertools.product(
+            models, args.world, args.tokens, args.link, args.ranks_per_node, args.swap_times, args.staging_buffers
+        )
     )
     rows: list[IterationRow] = []
     skipped: list[dict[str, str]] = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("iterations", total=len(combinations))
-        for model, world, tokens, link, node_ranks, k in combinations:
-            label = f"{model.name} {args.optimizer} world={world} tokens={tokens} {link} ranks/node={node_ranks} k={k}"
+        for model, world, tokens, link, node_ranks, k, buffers in combinations:
+            label = (
+                f"{model.name} {args.optimizer} world={world} tokens={tokens} {link} ranks/node={node_ranks} k={k} "
+                f"staged={buffers}"
+            )
             progress.update(task, description=label)
             spec = IterationModel(
                 model,
@@ -229,6 +243,7 @@ def plan_iterations(
                 master_weights=args.master_weights,
                 ranks_per_node=node_ranks,
                 utilization=args.utilization,
+                staging_buffers=buffers,
             )
             try:
                 rows.append(model_iteration(spec))
@@ -277,6 +292,14 @@ def plan_parser() -> argparse.ArgumentParser:
         help="ranks sharing one host's memory bandwidth, each streaming its states as the modeled one (default 1)",
     )
     parser.add_argument("--swap-times", nargs="+", type=positive_count, default=[4], help="pipeline batches per step")
+    parser.add_argument(
+        "--staging-buffers",
+        nargs="+",
+        type=staging_count,
+        default=[2],
+        help="batches staged on the device at a time (SwapConfig.staging_buffers, at least 2): each one more holds "
+        "one more batch on the device and lets the copy-ins run a batch further ahead (default 2)",
+    )
     parser.add_argument(
         "--device-memory",
         type=byte_size,

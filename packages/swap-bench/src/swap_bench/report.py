@@ -28,11 +28,12 @@ __all__ = [
     "save_json",
 ]
 
-SCHEMA = "swap-bench/5"
+SCHEMA = "swap-bench/6"
 """Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``; 3:
 ``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds; 4: modeled rows' ``ranks_per_node`` and
 ``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share; 5:
-``iteration_rows``, whole modeled iterations of ``plan --tokens``, empty in the other kinds)."""
+``iteration_rows``, whole modeled iterations of ``plan --tokens``, empty in the other kinds; 6: modeled and
+iteration rows' ``staging_buffers``)."""
 
 
 @dataclasses.dataclass
@@ -228,7 +229,7 @@ def render_iteration_table(rows: Sequence[IterationRow], console: Console) -> No
             f"{row.tokens:,}",
             row.link,
             str(row.ranks_per_node),
-            str(row.swap_times),
+            str(row.swap_times) + (f" ({row.staging_buffers} staged)" if row.staging_buffers != 2 else ""),
             readable_seconds(row.compute_seconds),
             readable_seconds(row.unswapped_seconds),
             f"{row.after_backward_seconds / row.unswapped_seconds:.3f} x",

@@ -63,7 +63,13 @@ class SwapConfig:
     applies to those costs, which such adapters express in bytes."""
 
     packed: bool = True
-    """Move each batch as one copy per dtype through two staging arenas (else one copy per tensor)."""
+    """Move each batch as one copy per dtype through the staging arenas (else one copy per tensor)."""
+
+    staging_buffers: int = 2
+    """Batches staged on the device at a time during a step (at least 2): one arena each when packed, so the state
+    peak is about ``staging_buffers * S / swap_times`` for ``S`` swapped bytes. Each buffer beyond two lets the
+    copy-ins run one more batch ahead of the copy-outs, which follow the updates: worth its memory where the link is
+    slower than the compute (docs/configuration.md)."""
 
     min_numel: int = 1024
     """States with fewer elements stay resident on the device."""
@@ -126,6 +132,7 @@ class SwapConfig:
         if self.max_batch_bytes is not None:
             _require_int("max_batch_bytes", self.max_batch_bytes, minimum=1)
         _require_bool("packed", self.packed)
+        _require_int("staging_buffers", self.staging_buffers, minimum=2)
         _require_int("min_numel", self.min_numel, minimum=0)
         object.__setattr__(self, "state_keys", _normalize_state_keys(self.state_keys))
         _validate_fraction("offload_fraction", self.offload_fraction)

@@ -41,8 +41,14 @@ class AutoBatching:
         if available is None:
             raise ValueError(AUTO_NEEDS_MEMORY.format(backend=self.backend.name))
         self.available = available
+        config = self.config
         return fewest_batches_that_fit(
-            staging_of, available, self.config.device_memory_fraction, at_least=self.floor, most=most
+            staging_of,
+            available,
+            config.device_memory_fraction,
+            at_least=self.floor,
+            most=most,
+            staging_buffers=config.staging_buffers,
         )
 
     def chose(self, count: int, most: int, *, may_retry: bool) -> None:

@@ -72,6 +72,7 @@ class PlanCache:
             # Inside the backward every parameter updates with its batch, once its gradient is final.
             resident_first=not rank_independent and config.step != "in_backward",
             reverse=config.walks_in_backward_order,
+            staging_buffers=config.staging_buffers,
         )
         if self.auto is not None:
             count = self._auto_count(self.auto, params, partition, rank_independent=rank_independent)

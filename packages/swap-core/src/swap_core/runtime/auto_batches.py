@@ -24,11 +24,17 @@ AUTO_NEEDS_MEMORY = (
 
 
 def fewest_batches_that_fit(
-    staging_of: Callable[[int], int], available: int, fraction: float, *, at_least: int, most: int
+    staging_of: Callable[[int], int],
+    available: int,
+    fraction: float,
+    *,
+    at_least: int,
+    most: int,
+    staging_buffers: int = 2,
 ) -> int:
     """The fewest batches, from ``at_least`` to ``most``, whose staging (``staging_of(batches)`` bytes) fits
     ``fraction`` of ``available`` device bytes; :class:`~swap_core.errors.DeviceMemoryError` when not even ``most``
-    does."""
+    does (naming ``staging_buffers`` among the remedies when it is above two)."""
     budget = int(available * fraction)
     most = max(most, 1)
     low = min(max(at_least, 1), most)
@@ -37,11 +43,16 @@ def fewest_batches_that_fit(
     high = low
     while True:  # double until a count fits
         if high >= most:
+            fewer = (
+                f"stage fewer batches at a time (staging_buffers=2 instead of {staging_buffers}), "
+                if staging_buffers > 2
+                else ""
+            )
             raise DeviceMemoryError(
                 f"swap_times='auto': even {most} batches (one parameter each) need {staging_of(most)} bytes of "
                 f"staging on the device, over the {budget} bytes allowed ({fraction} of the {available} bytes "
                 "available). Free device memory, raise device_memory_fraction, keep fewer states on the device "
-                "(offload_fraction=1.0, a larger min_numel), or use more devices"
+                f"(offload_fraction=1.0, a larger min_numel), {fewer}or use more devices"
             )
         low, high = high, min(2 * high, most)
         if staging_of(high) <= budget:

@@ -1,18 +1,20 @@
-"""Packed memory: one host buffer per dtype, two device staging arenas.
+"""Packed memory: one host buffer per dtype, device staging arenas.
 
 Host side, every swapped state of a dtype lives in one persistent pinned buffer,
 laid out in batch order, so a batch is one contiguous range per dtype and moves
-with a single copy. Device side, two arenas alternate between batches: while
-batch ``i`` is updated in one, batch ``i + 1`` streams into the other. Each arena
-is as large as the largest batch it stages (the even batches in one, the odd in
-the other), so uneven batches (a rank of distributed Muon owning one large matrix)
-do not pay for a second arena of the largest size.
+with a single copy. Device side, the arenas (two by default,
+``SwapConfig.staging_buffers``) take the batches in turn: while batch ``i`` is
+updated in one, batch ``i + 1`` streams into the next. Each arena is as large as
+the largest batch it stages (with two, the even batches in one, the odd in the
+other), so uneven batches (a rank of distributed Muon owning one large matrix)
+do not pay for every arena at the largest size.
 
-With more than two batches, batch ``i + 1`` reuses the arena batch ``i - 1`` is
-still being copied out of. Each copy is then cut where it crosses the middle of
-the arena (:func:`split_at_middle`): the copy-in of the first half only waits
-for the copy-out of the first half, which finished while the second half was
-still streaming out, so the copy-in stream does not idle for a whole update.
+With more batches than arenas, batch ``i + 1`` reuses the arena that the batch
+``staging_buffers`` before it (with two, batch ``i - 1``) is still being copied
+out of. Each copy is then cut where it crosses the middle of the arena
+(:func:`split_at_middle`): the copy-in of the first half only waits for the
+copy-out of the first half, which finished while the second half was still
+streaming out, so the copy-in stream does not idle for a whole update.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class PackedHost:
 
 
 class StagingArenas:
-    """Two device buffers (one for a single batch) whose storage lives only during a step.
+    """Device buffers (one per batch staged at a time, at most one per batch) whose storage lives only during a
+    step.
 
     Each batch lays its dtypes out in its arena at 512-byte aligned offsets, so an
     arena is as large as the largest batch it stages (all dtypes together), not the
@@ -93,9 +96,9 @@ class StagingArenas:
     """
 
     def __init__(self, backend: DeviceBackend, sizes: Sequence[int]) -> None:
-        """``sizes``: the bytes of each arena (one or two)."""
-        if not 1 <= len(sizes) <= 2:
-            raise ValueError(f"Invalid staging arena count: {len(sizes)} (one or two)")
+        """``sizes``: the bytes of each arena (at least one)."""
+        if not sizes:
+            raise ValueError("Invalid staging arena count: 0 (at least one)")
         self._backend = backend
         self.sizes = [align_up(nbytes, ARENA_ALIGN_BYTES) for nbytes in sizes]
         self.arenas = [backend.empty((nbytes,), torch.uint8) for nbytes in self.sizes]

@@ -18,9 +18,9 @@ After a step the last offload may still be running:
 :meth:`PipelineScheduler.synchronize` waits for it before anyone reads host
 mirrors, and the next step's prefetch stream waits for it on the device.
 
-Packed mode stages batches alternately in two arenas, so batch ``i + 1`` may
-only be copied into the arena batch ``i - 1`` used once that batch's offload
-finished reading it: half by half (the copies are cut at the arena's middle),
+Packed mode stages batches in turn in its arenas (two by default), so batch
+``i + 1`` may only be copied into the arena batch ``i - 1`` used (with two) once
+that batch's offload finished reading it: half by half (the copies are cut at the arena's middle),
 so that the copy-in of the first half overlaps the copy-out of the second.
 Waiting for the whole offload instead would idle the copy-in stream for half an
 update per batch (6% of a step at 16 batches on PCIe 4, on the virtual clock).

@@ -39,7 +39,7 @@ class SwapPlan:
     batches: list[PlannedBatch]
     """The swapped batches in the order a step walks them (``batches[i].index == i``)."""
     staging: Staging
-    """Where the batches live on the device during a step (two packed arenas, or each state's own storage)."""
+    """Where the batches live on the device during a step (packed arenas, or each state's own storage)."""
     version: int
     param_count: int = 0
     """Parameters the batches (the resident one included) cover, every one once."""
@@ -69,6 +69,8 @@ class Partition:
     """The optimizer's state mapping."""
     resident_first: bool = False
     reverse: bool = False
+    staging_buffers: int = 2
+    """Batches staged on the device at a time (``SwapConfig.staging_buffers``)."""
 
 
 def build_plan(
@@ -92,7 +94,7 @@ def build_plan(
     gradients); the split is the same. ``walk_every_batch``: see :attr:`SwapPlan.walk_every_batch`.
     """
     batches, spans, resident, slots_of, nbytes = _partitioned(store, params, partition)
-    staging = stage_batches(store.packed_host, backend, batches)
+    staging = stage_batches(store.packed_host, backend, batches, buffers=partition.staging_buffers)
     for batch in batches:
         pairs = zip(batch.slots, batch.device_views, strict=True)
         batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]
@@ -116,7 +118,7 @@ def staging_bytes(store: StateStore, params: Sequence[tuple[int, torch.Tensor]],
     """The :attr:`SwapPlan.peak_staging_bytes` that :func:`build_plan` would give, without allocating anything (how
     ``swap_times="auto"`` compares batch counts)."""
     batches, *_ = _partitioned(store, params, partition)
-    return staging_peak_bytes(store.packed_host, batches)
+    return staging_peak_bytes(store.packed_host, batches, buffers=partition.staging_buffers)
 
 
 def _partitioned(

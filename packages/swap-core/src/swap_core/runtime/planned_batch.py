@@ -27,11 +27,11 @@ class PlannedBatch:
     """Swapped state bytes of the batch (without packing padding)."""
     transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     """``(host, device)`` pairs copied in and out: one per dtype (packed; two where a dtype's region crosses the
-    middle of the arena, with more than two batches) or one per slot."""
+    middle of the arena, with more batches than arenas) or one per slot."""
     front_transfers: int = 0
-    """How many of ``transfers`` (the first ones) lie in the first half of the arena (packed, more than two
-    batches); ``len(transfers)`` otherwise. The copy-in of a batch waits for the copy-out of the batch two before
-    it half by half."""
+    """How many of ``transfers`` (the first ones) lie in the first half of the arena (packed, more batches than
+    arenas); ``len(transfers)`` otherwise. The copy-in of a batch waits half by half for the copy-out of the batch
+    that staged in the same arena before it."""
     device_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Each slot's local device tensor during the update (a staging-arena view when packed)."""
     segments: list[tuple[int, list[torch.Tensor], list[dict[str, Any] | None], GradientPositions]] = dataclasses.field(
@@ -43,7 +43,3 @@ class PlannedBatch:
     """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
     update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The same device tensors as the update sees them in ``state`` (DTensors re-wrapped)."""
-
-    @property
-    def arena_index(self) -> int:
-        return self.index % 2

@@ -1,18 +1,20 @@
-"""Where a plan's batches live on the device during a step: two packed arenas, or each state's own storage.
+"""Where a plan's batches live on the device during a step: packed arenas, or each state's own storage.
 
 A :class:`Staging` is chosen once per plan (:func:`stage_batches`), from the store's host layout: packed host
-buffers are staged in :class:`ArenaStaging` (two arenas, one copy per dtype and batch), per-tensor host buffers in
-:class:`PerTensorStaging` (each state's own device storage, restored one batch ahead). The pipeline walks a step
-through a :class:`StagingWalk` and never asks which one it has.
+buffers are staged in :class:`ArenaStaging` (``buffers`` arenas, one copy per dtype and batch), per-tensor host
+buffers in :class:`PerTensorStaging` (each state's own device storage, restored one batch ahead). The pipeline walks
+a step through a :class:`StagingWalk` and never asks which one it has.
 
-Both hand the memory of batch ``i - 2`` to batch ``i`` (two batches are staged at a time) and order that hand-over
-after batch ``i - 2``'s copy-out: the arenas by a copy-in that waits for the copy-out half by half, the storages by
-releasing them on the compute stream once the copy-out is done, so that the restore on that stream reuses them.
+``buffers`` batches are staged at a time (``SwapConfig.staging_buffers``, 2 by default). Both hand the memory of
+batch ``i - buffers`` to batch ``i`` and order that hand-over after batch ``i - buffers``'s copy-out: the arenas by
+a copy-in that waits for the copy-out half by half, the storages by releasing them on the compute stream once the
+copy-out is done, so that the restore on that stream reuses them. With two, batch ``i + 1``'s copy-in can only
+start once batch ``i - 1``'s copy-out, which follows that batch's update, has read the memory; each more buffer
+lets the copy-ins run one more batch ahead of the copy-outs, for one more batch of device memory.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
@@ -88,20 +90,23 @@ class Staging(Protocol):
 
 
 class ArenaStaging:
-    """Packed host buffers staged in two device arenas that alternate between batches (see :mod:`.packed`)."""
+    """Packed host buffers staged in ``buffers`` device arenas that take the batches in turn (see :mod:`.packed`)."""
 
-    def __init__(self, arenas: StagingArenas) -> None:
+    def __init__(self, arenas: StagingArenas, buffers: int) -> None:
         self.arenas = arenas
+        self._buffers = buffers
 
     @classmethod
-    def lay_out(cls, packed: PackedHost, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> ArenaStaging:
-        """Cut each batch's views and transfers out of two new arenas (released again until a step acquires them)."""
+    def lay_out(
+        cls, packed: PackedHost, backend: DeviceBackend, batches: Sequence[PlannedBatch], buffers: int
+    ) -> ArenaStaging:
+        """Cut each batch's views and transfers out of new arenas (released again until a step acquires them)."""
         ranges = [packed.ranges(batch.slots) for batch in batches]
-        arenas = StagingArenas(backend, _arena_sizes(packed, batches))
-        # An arena is reused (by batch i + 1, while batch i - 1 is copied out of it) only with more than two batches.
-        reused = len(batches) > 2
+        arenas = StagingArenas(backend, _arena_sizes(packed, batches, buffers))
+        # An arena is reused (by batch i, while batch i - buffers is copied out of it) only with more batches.
+        reused = len(batches) > buffers
         for batch, batch_ranges in zip(batches, ranges, strict=True):
-            index = batch.arena_index
+            index = batch.index % buffers
             regions = arenas.regions(index, _region_bytes(batch_ranges))
             whole = [
                 (packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()
@@ -112,7 +117,7 @@ class ArenaStaging:
                 start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
                 batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))
         arenas.release()
-        return cls(arenas)
+        return cls(arenas, buffers)
 
     @property
     def peak_bytes(self) -> int:
@@ -122,7 +127,7 @@ class ArenaStaging:
         self.arenas.acquire()
 
     def walk(self, batches: Sequence[PlannedBatch], compute: Stream) -> StagingWalk:
-        return _ArenaWalk(batches)
+        return _ArenaWalk(batches, self._buffers)
 
     def release(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream | None) -> None:
         self.arenas.release(in_use_on=in_use_on)
@@ -135,30 +140,31 @@ class ArenaStaging:
 class _ArenaWalk:
     """A copy-in into an arena waits, half by half, for the last copy-out out of it."""
 
-    def __init__(self, batches: Sequence[PlannedBatch]) -> None:
-        self._batches = batches
+    def __init__(self, batches: Sequence[PlannedBatch], buffers: int) -> None:
+        self._arena_of = [batch.index % buffers for batch in batches]
         self._last_out_of: dict[int, Offloaded] = {}
 
     def before_copy_in(self, position: int) -> Offloaded | None:
-        return self._last_out_of.get(self._batches[position].arena_index)
+        return self._last_out_of.get(self._arena_of[position])
 
     def copied_out(self, position: int, offloaded: Offloaded) -> None:
-        self._last_out_of[self._batches[position].arena_index] = offloaded
+        self._last_out_of[self._arena_of[position]] = offloaded
 
     def needs_memory_of(self, position: int, earlier: int) -> bool:
-        return self._batches[position].arena_index == self._batches[earlier].arena_index
+        return self._arena_of[position] == self._arena_of[earlier]
 
 
 class PerTensorStaging:
     """Per-tensor host buffers staged in each state's own device storage, restored one batch ahead of its update
-    and released once its copy-out is done."""
+    and released once its copy-out is done; ``buffers`` batches hold their storages at a time."""
 
-    def __init__(self, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> None:
+    def __init__(self, backend: DeviceBackend, batches: Sequence[PlannedBatch], buffers: int) -> None:
         self._backend = backend
-        self._peak = _pairwise_peak([batch.nbytes for batch in batches])
+        self._buffers = buffers
+        self._peak = _window_peak([batch.nbytes for batch in batches], buffers)
 
     @classmethod
-    def lay_out(cls, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> PerTensorStaging:
+    def lay_out(cls, backend: DeviceBackend, batches: Sequence[PlannedBatch], buffers: int) -> PerTensorStaging:
         """Each batch's views are its slots' device tensors, each copied to and from its own host buffer."""
         for batch in batches:
             batch.device_views = [_device_tensor(slot) for slot in batch.slots]
@@ -166,7 +172,7 @@ class PerTensorStaging:
                 (slot.host_mirror, view) for slot, view in zip(batch.slots, batch.device_views, strict=True)
             ]
             batch.front_transfers = len(batch.transfers)
-        return cls(backend, batches)
+        return cls(backend, batches, buffers)
 
     @property
     def peak_bytes(self) -> int:
@@ -176,7 +182,7 @@ class PerTensorStaging:
         """Nothing: each batch's storages are restored before its copy-in."""
 
     def walk(self, batches: Sequence[PlannedBatch], compute: Stream) -> StagingWalk:
-        return _PerTensorWalk(self._backend, batches, compute)
+        return _PerTensorWalk(self._backend, batches, compute, self._buffers)
 
     def release(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream | None) -> None:
         for batch in batches:
@@ -185,25 +191,26 @@ class PerTensorStaging:
                     self._backend.release_storage(view, in_use_on=in_use_on)
 
     def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
-        """The last two batches' storages (the earlier ones went to later batches); nothing is kept."""
-        for batch in batches[max(len(batches) - 2, 0) :]:
+        """The last ``buffers`` batches' storages (the earlier ones went to later batches); nothing is kept."""
+        for batch in batches[max(len(batches) - self._buffers, 0) :]:
             for view in batch.device_views:
                 self._backend.release_storage(view, in_use_on=in_use_on)
 
 
 class _PerTensorWalk:
-    """Batch ``i`` restores its storages on the compute stream after the storages of batch ``i - 2`` were released
-    there, once that batch's copy-out is done: the restore takes the same memory."""
+    """Batch ``i`` restores its storages on the compute stream after the storages of batch ``i - buffers`` were
+    released there, once that batch's copy-out is done: the restore takes the same memory."""
 
-    def __init__(self, backend: DeviceBackend, batches: Sequence[PlannedBatch], compute: Stream) -> None:
+    def __init__(self, backend: DeviceBackend, batches: Sequence[PlannedBatch], compute: Stream, buffers: int) -> None:
         self._backend, self._batches, self._compute = backend, batches, compute
+        self._buffers = buffers
         self._offloaded: dict[int, Offloaded] = {}
 
     def before_copy_in(self, position: int) -> Offloaded | None:
-        backend = self._backend
-        if position >= 2:  # it takes the memory the batch two before used
-            backend.wait_event(self._compute, self._offloaded.pop(position - 2).done)
-            for view in self._batches[position - 2].device_views:
+        backend, earlier = self._backend, position - self._buffers
+        if earlier >= 0:  # it takes the memory the batch ``buffers`` before used
+            backend.wait_event(self._compute, self._offloaded.pop(earlier).done)
+            for view in self._batches[earlier].device_views:
                 backend.release_storage(view, in_use_on=self._compute)
         for view in self._batches[position].device_views:
             backend.restore_storage(view)
@@ -216,35 +223,40 @@ class _PerTensorWalk:
         return False
 
 
-def stage_batches(store_packed: PackedHost | None, backend: DeviceBackend, batches: Sequence[PlannedBatch]) -> Staging:
-    """The staging of ``batches``: arenas over a packed host layout (when anything is swapped), else each state's
-    own storage."""
+def stage_batches(
+    store_packed: PackedHost | None, backend: DeviceBackend, batches: Sequence[PlannedBatch], *, buffers: int = 2
+) -> Staging:
+    """The staging of ``batches``, ``buffers`` of them at a time: arenas over a packed host layout (when anything
+    is swapped), else each state's own storage."""
     if store_packed is not None and sum(batch.nbytes for batch in batches) > 0:
-        return ArenaStaging.lay_out(store_packed, backend, batches)
-    return PerTensorStaging.lay_out(backend, batches)
+        return ArenaStaging.lay_out(store_packed, backend, batches, buffers)
+    return PerTensorStaging.lay_out(backend, batches, buffers)
 
 
-def staging_peak_bytes(store_packed: PackedHost | None, batches: Sequence[PlannedBatch]) -> int:
+def staging_peak_bytes(store_packed: PackedHost | None, batches: Sequence[PlannedBatch], *, buffers: int = 2) -> int:
     """The :attr:`Staging.peak_bytes` that :func:`stage_batches` would give, without allocating anything."""
     if store_packed is not None and sum(batch.nbytes for batch in batches) > 0:
-        return sum(align_up(size, ARENA_ALIGN_BYTES) for size in _arena_sizes(store_packed, batches))
-    return _pairwise_peak([batch.nbytes for batch in batches])
+        return sum(align_up(size, ARENA_ALIGN_BYTES) for size in _arena_sizes(store_packed, batches, buffers))
+    return _window_peak([batch.nbytes for batch in batches], buffers)
 
 
-def _pairwise_peak(sizes: Sequence[int]) -> int:
-    """Two consecutive batches staged at a time: the largest pair (or the one batch)."""
-    return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+def _window_peak(sizes: Sequence[int], buffers: int) -> int:
+    """``buffers`` consecutive batches staged at a time: the largest such run (or all of them, if fewer)."""
+    if len(sizes) <= buffers:
+        return sum(sizes)
+    return max(sum(sizes[start : start + buffers]) for start in range(len(sizes) - buffers + 1))
 
 
 def _region_bytes(batch_ranges: Mapping[torch.dtype, tuple[int, int]]) -> dict[torch.dtype, int]:
     return {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in batch_ranges.items()}
 
 
-def _arena_sizes(packed: PackedHost, batches: Sequence[PlannedBatch]) -> list[int]:
-    """Arena ``j`` stages the batches of index parity ``j``: each is as large as the largest of those."""
-    sizes = [0] * min(2, len(batches))
+def _arena_sizes(packed: PackedHost, batches: Sequence[PlannedBatch], buffers: int) -> list[int]:
+    """Arena ``j`` stages the batches whose index is ``j`` modulo ``buffers``: each is as large as the largest of
+    those."""
+    sizes = [0] * min(buffers, len(batches))
     for batch in batches:
-        index = batch.arena_index
+        index = batch.index % buffers
         sizes[index] = max(sizes[index], arena_bytes(_region_bytes(packed.ranges(batch.slots))))
     return sizes
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +76,8 @@ OPTION_VARIANTS: tuple[dict[str, Any], ...] = (
     {"step": "in_backward", "packed": False, "swap_times": 5},
     {"step": "in_backward", "offload_fraction": 0.5, "duplex": False},
     {"step": "in_backward", "free_gradients": True},
+    {"staging_buffers": 3, "swap_times": 5},
+    {"step": "in_backward", "staging_buffers": 3, "packed": False, "swap_times": 5},
 )
 """SwapConfig variants each checked for parity under :data:`OPTION_MODES`."""
 
@@ -84,6 +85,12 @@ OPTION_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("sync", 0), ("random"
 
 MASTER_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("sync", 0), ("random", 1), ("random", 2))
 """Schedules of the master-weights checks (each with the packed and the per-tensor layout)."""
+
+ACCOUNTING_BATCHING: tuple[tuple[int, int], ...] = ((1, 2), (3, 2), (8, 2), (3, 3), (8, 3))
+"""``(swap_times, staging_buffers)`` of the accounting checks."""
+
+BATCHING_IDS = [f"{swap_times}x{buffers}" for swap_times, buffers in ACCOUNTING_BATCHING]
+"""``8x3``: 8 batches, 3 staged at a time."""
 
 HABIT_MODES: tuple[tuple[str, int], ...] = (("lazy", 0), ("random", 5))
 """Schedules of the torch-habit checks: lazy (the last offload of a step is still queued when the user edits
@@ -125,7 +132,7 @@ def check_accounting(case: ConformanceCase, backend: DeviceBackend, **overrides:
     pair = make_pair(case, backend, **overrides)
     sim = simulator_of(backend)
     pair.step_both()  # the first step creates the states
-    packed = pair.swapped.config.packed
+    packed, buffers = pair.swapped.config.packed, pair.swapped.config.staging_buffers
     batches = planned_batches(pair.swapped)
     for _ in range(2):
         sim.reset_copy_stats()
@@ -135,7 +142,7 @@ def check_accounting(case: ConformanceCase, backend: DeviceBackend, **overrides:
         backend.synchronize()
         stats = pair.swapped.stats
         peak = backend.max_memory_allocated() - before
-        expected_copies = _expected_copies(batches, packed)
+        expected_copies = _expected_copies(batches, packed, buffers)
         copies = sim.copy_stats
         assert copies.h2d_copies == copies.d2h_copies == expected_copies == stats.h2d_copies == stats.d2h_copies, (
             f"{case.name}: expected {expected_copies} copies each way, simulator saw {copies}, stats say {stats}"
@@ -144,7 +151,7 @@ def check_accounting(case: ConformanceCase, backend: DeviceBackend, **overrides:
         assert peak == stats.peak_state_device_bytes - stats.resident_state_device_bytes, (
             f"{case.name}: simulator peak {peak} B, stats claim {stats.peak_state_device_bytes} B"
         )
-        assert peak <= _staging_bound(batches, packed), f"{case.name}: peak {peak} B over the bound"
+        assert peak <= _staging_bound(batches, packed, buffers), f"{case.name}: peak {peak} B over the bound"
         if not pair.swapped.config.keep_staging:
             assert backend.memory_allocated() == before, f"{case.name}: device bytes leaked by a step"
         assert stats.batches == len(batches)
@@ -264,13 +271,19 @@ def _stepping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[...,
 
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-    @pytest.mark.parametrize("swap_times", [1, 3, 8])
+    @pytest.mark.parametrize("swap_times,buffers", ACCOUNTING_BATCHING, ids=BATCHING_IDS)
     @pytest.mark.sim_only
     def test_conformance_accounting(
-        case: ConformanceCase, packed: bool, swap_times: int, swap_backend_factory: BackendFactory, backend_name: str
+        case: ConformanceCase,
+        packed: bool,
+        swap_times: int,
+        buffers: int,
+        swap_backend_factory: BackendFactory,
+        backend_name: str,
     ) -> None:
         _require_device_type(case, backend_name)
-        check_accounting(case, swap_backend_factory(mode="lazy"), packed=packed, swap_times=swap_times)
+        backend = swap_backend_factory(mode="lazy")
+        check_accounting(case, backend, packed=packed, swap_times=swap_times, staging_buffers=buffers)
 
     return {
         "test_conformance_parity": test_conformance_parity,
@@ -377,18 +390,18 @@ def _layout_id(value: object) -> str:
     return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
-def _expected_copies(batches: Sequence[BatchView], packed: bool) -> int:
+def _expected_copies(batches: Sequence[BatchView], packed: bool, buffers: int) -> int:
     """Copies per direction: one per state per-tensor; packed, one per dtype region of a batch, two where a region
-    crosses the middle of the arena (cut there when an arena is reused, with more than two batches)."""
+    crosses the middle of the arena (cut there when an arena is reused, with more batches than ``buffers``)."""
     if not packed:
         return sum(len(batch.states) for batch in batches)
     regions = [_dtype_regions(batch) for batch in batches]
-    if len(batches) <= 2:
+    if len(batches) <= buffers:
         return sum(len(batch_regions) for batch_regions in regions)
-    arenas = _arena_sizes([sum(align_up(n, ARENA_ALIGN_BYTES) for _, n in r) for r in regions])
+    arenas = _arena_sizes([sum(align_up(n, ARENA_ALIGN_BYTES) for _, n in r) for r in regions], buffers)
     copies = 0
     for index, batch_regions in enumerate(regions):
-        middle = align_up(arenas[index % 2] // 2, ARENA_ALIGN_BYTES)
+        middle = align_up(arenas[index % buffers] // 2, ARENA_ALIGN_BYTES)
         offset = 0
         for _, nbytes in batch_regions:
             copies += 2 if offset < middle < offset + nbytes else 1
@@ -404,21 +417,24 @@ def _dtype_regions(batch: BatchView) -> list[tuple[torch.dtype, int]]:
     return sorted(ends.items(), key=lambda item: str(item[0]))
 
 
-def _staging_bound(batches: Sequence[BatchView], packed: bool) -> int:
-    """Two staged batches: per batch, each state 64-byte aligned, each dtype region 512-byte aligned."""
+def _staging_bound(batches: Sequence[BatchView], packed: bool, buffers: int) -> int:
+    """``buffers`` staged batches: per batch, each state 64-byte aligned, each dtype region 512-byte aligned."""
     arenas: list[int] = []
     sizes: list[int] = []
     for batch in batches:
         arenas.append(sum(align_up(nbytes, ARENA_ALIGN_BYTES) for _, nbytes in _dtype_regions(batch)))
         sizes.append(sum(state.nbytes for state in batch.states))
     if packed:
-        return sum(_arena_sizes(arenas))
-    return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+        return sum(_arena_sizes(arenas, buffers))
+    windows = [sum(sizes[start : start + buffers]) for start in range(max(len(sizes) - buffers, 0) + 1)]
+    return max(windows)
 
 
-def _arena_sizes(batch_bytes: Sequence[int]) -> list[int]:
-    """The two staging arenas (one for one batch): each the largest of the batches it stages, even or odd."""
-    return [align_up(max(batch_bytes[parity::2]), ARENA_ALIGN_BYTES) for parity in range(min(2, len(batch_bytes)))]
+def _arena_sizes(batch_bytes: Sequence[int], buffers: int) -> list[int]:
+    """The staging arenas (at most one a batch): arena ``j`` is the largest of the batches ``j`` modulo
+    ``buffers``."""
+    count = min(buffers, len(batch_bytes))
+    return [align_up(max(batch_bytes[first::buffers]), ARENA_ALIGN_BYTES) for first in range(count)]
 
 
 def _snapshot(optimizer: SwapOptimizer) -> dict[str, Any]:
