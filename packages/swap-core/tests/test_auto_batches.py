@@ -200,3 +200,87 @@ def test_a_second_out_of_memory_is_a_clear_error_with_nothing_updated() -> None:
     for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
         assert_bitwise_equal(expected, actual, f"parameter {index}")
     assert not any(swapped.state.get(param) for param in params), "the failed first step is undone"
+
+
+# -- inside the backward ------------------------------------------------------------
+def _backward_grads(params: list[torch.Tensor], step: int) -> None:
+    """:func:`_set_grads`' gradients through a backward, whose hooks update the batches with
+    ``SwapConfig(step="in_backward")`` (the last parameter's gradient final first)."""
+    generator = torch.Generator().manual_seed(7 + step)
+    grads = [torch.randn(param.shape, generator=generator) for param in params]
+    for param in params:
+        param.grad = None
+    torch.autograd.backward([param.view_as(param) for param in params], grads)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_auto_inside_the_backward_takes_the_fewest_batches_that_fit_and_steps_bitwise(packed: bool) -> None:
+    sim = SimBackend(mode="random", seed=2, device_memory=160 * 1024)
+    reference_params, reference, params, swapped = _pair(sim, swap_times="auto", packed=packed, step="in_backward")
+    for step in range(4):
+        _set_grads(reference_params, step)
+        reference.step()
+        _backward_grads(params, step)
+        swapped.step()
+        stats = swapped.stats
+        if step > 0:  # the first step creates the states after the backward
+            assert stats.batches > 1 and stats.batches_in_backward == stats.batches, stats
+    for index, (expected, actual) in enumerate(zip(reference_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+    assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after 4 steps")
+    staging = _staging(stats.peak_state_device_bytes, stats.resident_state_device_bytes)
+    assert stats.available_device_bytes is not None and staging <= int(0.8 * stats.available_device_bytes)
+
+
+def test_an_out_of_memory_staging_inside_the_backward_replans_with_more_batches_once() -> None:
+    """A plan made inside the backward (a load is taken in at its first hook) on a device that claimed more memory
+    than it had: its staging runs out of memory before any batch updated, so the hook re-plans with twice the
+    batches and the backward goes on, every batch updated in it."""
+    sim = _ShrinksAfterTheFirstLook(mode="lazy", device_memory=200 * 1024)
+    reference_params, reference, params, swapped = _pair(sim, swap_times="auto", step="in_backward")
+    for step in range(4):
+        _set_grads(reference_params, step)
+        reference.step()
+        if step == 2:
+            swapped.load_state_dict(swapped.state_dict())  # re-planned at the next backward's first hook
+            sim.looked = False  # which sees four times the memory there is
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _backward_grads(params, step)
+        retry = [warning for warning in caught if issubclass(warning.category, ResourceWarning)]
+        if step == 2:
+            said = [str(warning.message) for warning in retry]
+            assert len(said) == 1 and "re-planned with" in said[0] and "Nothing was updated" in said[0], said
+            assert retry[0].filename == __file__, f"the warning points at {retry[0].filename}, not the backward"
+        else:
+            assert not retry, [str(warning.message) for warning in retry]
+        swapped.step()
+        if step > 0:
+            assert swapped.stats.batches_in_backward == swapped.stats.batches, swapped.stats
+    for index, (expected, actual) in enumerate(zip(reference_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the retried step")
+    assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after the retried step")
+
+
+def test_a_second_out_of_memory_inside_the_backward_is_a_clear_error_with_nothing_updated() -> None:
+    """The retry inside the backward runs out of memory too: the backward raises it, and nothing was updated."""
+    sim = _AlwaysOverReporting(mode="lazy", device_memory=1 << 30)
+    _, _, params, swapped = _pair(sim, swap_times="auto", step="in_backward")
+    _backward_grads(params, 0)
+    swapped.step()  # the states, after the backward
+    sim.device_memory = 100 * 1024  # another process took the rest
+    swapped.load_state_dict(swapped.state_dict())
+    before = _snapshot_of(params, swapped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        with pytest.raises(DeviceMemoryError, match=r"ran out of memory again with \d+ batches .* Nothing was updated"):
+            _backward_grads(params, 1)
+    after = _snapshot_of(params, swapped)
+    for index, (expected, actual) in enumerate(zip(before, after, strict=True)):
+        assert_bitwise_equal(expected, actual, f"tensor {index}")
+
+
+def _snapshot_of(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters and every state tensor, copied (reading the state waits for the copies in flight)."""
+    states = [value for param in params for value in optimizer.state[param].values() if torch.is_tensor(value)]
+    return [tensor.detach().clone() for tensor in (*params, *states)]

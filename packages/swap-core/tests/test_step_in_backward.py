@@ -637,7 +637,6 @@ def _rmsprop_of(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     ("option", "message"),
     [
         ({"prefetch": "backward"}, r"does not support prefetch='backward' yet: it copies each batch in"),
-        ({"swap_times": "auto"}, r"does not support swap_times='auto' yet"),
         ({"undo_failed_steps": True}, r"does not support undo_failed_steps=True yet"),
     ],
 )

@@ -168,7 +168,6 @@ class SwapConfig:
         """Refuse what ``step="in_backward"`` does not support yet, naming the setting to change."""
         unsupported = {
             "prefetch": (self.prefetch != "off", "it copies each batch in from the backward itself"),
-            "swap_times": (self.swap_times == "auto", "give a batch count"),
             "undo_failed_steps": (self.undo_failed_steps, "a failed in-backward update cannot be undone yet"),
         }
         for name, (refused, why) in unsupported.items():

@@ -288,21 +288,43 @@ class InBackwardStep:
 
     def _begin(self) -> _Started | None:
         """Begin the step over the current plan (after the user's edits), if it has batches and every parameter that
-        requires a gradient has its state."""
+        requires a gradient has its state. With ``swap_times="auto"``, a plan whose staging runs out of device memory
+        (nothing updated) is made again with twice the batches, once, as ``step()`` would."""
+        try:
+            return self._plan_and_start()
+        except torch.OutOfMemoryError as error:
+            auto = self._plans.auto
+            if auto is None or not auto.more_batches_after(error, batches_updated=0):
+                raise
+        self._plans.drop()
+        try:
+            return self._plan_and_start()
+        except torch.OutOfMemoryError as error:
+            raise auto.still_out_of_memory(error, self._plans.last) from error
+
+    def _plan_and_start(self) -> _Started | None:
         sync, plans = self._sync, self._plans
         with sync.scheduler.working():
             try:
                 sync.follow_edits(sync.ordered_params())
                 plan = plans.current()
+            except torch.OutOfMemoryError:
+                if plans.auto is not None:
+                    raise
+                return None  # step() raises it, after the backward, before any change
             except Exception:  # a refused edit or state: step() raises it, after the backward, before any change
                 return None
             if not plan.batches or not (plan.all_states_exist or self._states_of_every_trained_param()):
                 return None
-        scope = contextlib.ExitStack()
+        return self._start(plan)
+
+    def _start(self, plan: SwapPlan) -> _Started:
+        """The step over ``plan``, its first copy-in issued (an out-of-memory staging it leaves nothing begun)."""
+        sync = self._sync
+        scope, run = contextlib.ExitStack(), StepRun(sync, self._plans, self._update)
         try:
             # On the stream the steps run on, not the hook's (FSDP2's post-reduce stream): the staging belongs there.
             with sync.scheduler.working(), sync.backend.stream(sync.scheduler.compute):
-                run = StepRun(sync, plans, self._update)
                 run.begin_in_backward()
                 scope.enter_context(sync.adapter.step_scope())
                 stats = SwapStats()
@@ -312,6 +334,7 @@ class InBackwardStep:
                 walk = sync.scheduler.begin_walk(plan, run.update_in_backward, stats, traced=trace is not None)
         except BaseException:
             scope.close()
+            run.release()
             raise
         self._started = _Started(run, plan, walk, stats, scope, GroupSnapshot(sync.param_groups), trace)
         return self._started
