@@ -47,7 +47,8 @@ class SwapStats(CopyCounts):
     updated at ``step()``); 0 when the whole step ran after the backward."""
 
     peak_state_device_bytes: int = 0
-    """Most device bytes held at once by swapped state (staging arenas or restored storages) and resident state."""
+    """Most device bytes held at once by swapped state (staging arenas or restored storages) and resident state: the
+    plan's staging peak (per tensor, a step that skips batches without gradients may hold less, never more)."""
 
     resident_state_device_bytes: int = 0
     """Device bytes of optimizer state kept resident (not swapped) between steps."""

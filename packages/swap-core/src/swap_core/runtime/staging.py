@@ -191,24 +191,29 @@ class PerTensorStaging:
                     self._backend.release_storage(view, in_use_on=in_use_on)
 
     def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
-        """The last ``buffers`` batches' storages (the earlier ones went to later batches); nothing is kept."""
-        for batch in batches[max(len(batches) - self._buffers, 0) :]:
+        """The storages of the batches within ``buffers`` of the last one in the plan (the walk released the
+        earlier ones for later batches); nothing is kept."""
+        last = batches[-1].index if batches else 0
+        for batch in (batch for batch in batches if batch.index > last - self._buffers):
             for view in batch.device_views:
                 self._backend.release_storage(view, in_use_on=in_use_on)
 
 
 class _PerTensorWalk:
-    """Batch ``i`` restores its storages on the compute stream after the storages of batch ``i - buffers`` were
-    released there, once that batch's copy-out is done: the restore takes the same memory."""
+    """Batch ``i`` restores its storages on the compute stream after the storages of batch ``i - buffers`` (and of
+    any batch walked before it) were released there, once their copy-outs are done: the restore takes the same
+    memory. Only batches within ``buffers`` neighbours of the plan hold storages at once, whichever batches the
+    step skips (those without gradients), so the peak stays the plan's."""
 
     def __init__(self, backend: DeviceBackend, batches: Sequence[PlannedBatch], compute: Stream, buffers: int) -> None:
         self._backend, self._batches, self._compute = backend, batches, compute
         self._buffers = buffers
         self._offloaded: dict[int, Offloaded] = {}
+        """Positions copied out whose storages are still held, in walk order."""
 
     def before_copy_in(self, position: int) -> Offloaded | None:
-        backend, earlier = self._backend, position - self._buffers
-        if earlier >= 0:  # it takes the memory the batch ``buffers`` before used
+        backend = self._backend
+        for earlier in [earlier for earlier in self._offloaded if self.needs_memory_of(position, earlier)]:
             backend.wait_event(self._compute, self._offloaded.pop(earlier).done)
             for view in self._batches[earlier].device_views:
                 backend.release_storage(view, in_use_on=self._compute)
@@ -220,7 +225,8 @@ class _PerTensorWalk:
         self._offloaded[position] = offloaded
 
     def needs_memory_of(self, position: int, earlier: int) -> bool:
-        return False
+        """Batch ``earlier`` lies ``buffers`` or more batches before batch ``position`` in the plan."""
+        return self._batches[earlier].index <= self._batches[position].index - self._buffers
 
 
 def stage_batches(
