@@ -268,6 +268,39 @@ def test_backward_prefetch_from_hooks_under_another_stream_stages_on_the_steps_s
     twins.assert_same("backward prefetch from hooks under a side stream, 8 steps")
 
 
+def test_gradients_freed_under_another_stream_are_not_reused_before_their_update(cuda: torch.device) -> None:
+    """``SwapConfig(step="in_backward", free_gradients=True)`` with the backward under another stream (FSDP2's
+    post-reduce stream): the gradients, allocated on that stream, are freed inside the backward while their updates
+    wait on the steps' stream behind a spin. Tensors allocated on the side stream right after, of the gradients'
+    size, and filled with NaN must not take the gradients' blocks before the updates read them (``record_stream``
+    in ``free_when_done``): else the swapped parameters turn NaN."""
+    twins = Twins(cuda, "rmsprop", step="in_backward", free_gradients=True)
+    side = new_stream(cuda)
+    compute = torch.cuda.current_stream(cuda)
+    for step in range(4):
+        set_grads(twins.plain_params, step)
+        twins.plain.step()
+        for param in twins.swapped_params:
+            param.grad = None
+        generator = torch.Generator(device=cuda).manual_seed(1_000 + step)
+        side.wait_stream(compute)  # the parameters as the last step left them
+        spun = spin(SPIN_MS, cuda)  # the updates issued from the hooks wait behind it
+        with torch.cuda.stream(side):
+            grads = [torch.randn(SHAPE, generator=generator, device=cuda) for _ in twins.swapped_params]
+            loss = sum((param * grad).sum() for param, grad in zip(twins.swapped_params, grads, strict=True))
+            assert isinstance(loss, torch.Tensor)
+            loss.backward()  # type: ignore[no-untyped-call]
+            del grads, loss
+            junk = [torch.full(SHAPE, float("nan"), device=cuda) for _ in range(PARAMS)]
+        if step > 0:
+            assert all(param.grad is None for param in twins.swapped_params), f"step {step}: not freed"
+            assert not spun.query(), WINDOW_CLOSED
+        compute.wait_stream(side)
+        twins.swapped.step()
+        del junk
+    twins.assert_same("gradients freed inside a backward under a side stream, 4 steps")
+
+
 def test_a_refused_host_registration_falls_back_and_the_next_kernel_launch_runs(
     cuda: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

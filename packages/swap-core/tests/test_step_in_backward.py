@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.backends.protocol import Stream
 from swap_core.errors import SwapStateError
 from swap_core.sim import SIM_MODES, SimBackend, SimMode
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
@@ -223,28 +224,47 @@ def _deep_model() -> torch.nn.Sequential:
     )
 
 
-def test_freed_gradients_under_another_stream_are_kept_until_step_with_a_warning() -> None:
-    """Hooks under another stream than the steps' (FSDP2's post-reduce stream): freeing a gradient there would hand
-    its memory back to that stream's pool before the update on the steps' stream read it, so it is kept."""
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "planted-unrecorded"])
+def test_freed_gradients_under_another_stream_go_back_to_its_pool_only_after_the_update(
+    recorded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hooks under another stream than the steps' (FSDP2's post-reduce stream), which wrote each gradient: a freed
+    gradient's block goes back to that stream's pool, so it is kept from reuse until the update, issued to the
+    steps' stream, read it (``free_when_done``: ``record_stream`` on a device). The simulator models the reuse as
+    a write of the whole block; planted, without the record, it is on the hooks' stream at once, and the race
+    checker reports the update's read of the gradient."""
+    if not recorded:
+        free_when_done = SimBackend.free_when_done
+
+        def unrecorded(self: SimBackend, tensor: torch.Tensor, *, allocated_on: Stream, in_use_on: Stream) -> None:
+            free_when_done(self, tensor, allocated_on=allocated_on, in_use_on=allocated_on)
+
+        monkeypatch.setattr(SimBackend, "free_when_done", unrecorded)
     plain_model, model = _model(), _model()
     plain = _rmsprop(plain_model)
-    sim = SimBackend(mode="lazy")
-    side = sim.new_stream()
+    sim = SimBackend(mode="lazy", on_race="record")
+    post_reduce = sim.new_stream()
+    for param in model.parameters():  # before the optimizer's hooks: the "reduce-scatter" writes the gradient
+        param.register_post_accumulate_grad_hook(_rewritten_under(sim))  # type: ignore[no-untyped-call]
     optimizer = _in_backward(model, sim, free_gradients=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(3):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: the gradients are freed, not kept
+        for step in range(STEPS):
             _forward(plain_model, _inputs(step)).backward()
             plain.step()
             plain.zero_grad(set_to_none=True)
-            with sim.stream(side):
+            with sim.stream(post_reduce):
                 _forward(model, _inputs(step)).backward()
-            assert all(param.grad is not None for param in model.parameters()), "kept until step()"
+            freed = [param.grad is None for param in model.parameters()]
+            assert all(freed) == (step > 0), f"step {step}: freed {freed}"
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _assert_same(plain_model, model, plain, optimizer, f"step {step}")
-    messages = [str(warning.message) for warning in caught if "free_gradients" in str(warning.message)]
-    assert len(messages) == 1 and "kept until step()" in messages[0], messages
+    reuses = [race for race in sim.races if "reuse of a freed block" in race]
+    if recorded:
+        assert not sim.races, sim.races
+    else:
+        assert reuses, sim.races
 
 
 def test_free_gradients_needs_the_step_in_backward() -> None:

@@ -30,7 +30,8 @@ def _backward(model: torch.nn.Module, step: int, micro_batch: int, rank: int) ->
 def _in_backward_under_fsdp2(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    _check_parity(init_device_mesh("cpu", (world_size,)), rank, layouts=(True, False))
+    options = ({"packed": True}, {"packed": False}, {"packed": True, "free_gradients": True})
+    _check_parity(init_device_mesh("cpu", (world_size,)), rank, options=options)
 
 
 def _in_backward_under_hsdp(rank: int, world_size: int) -> None:
@@ -38,19 +39,20 @@ def _in_backward_under_hsdp(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    _check_parity(mesh, rank, layouts=(True,))
+    _check_parity(mesh, rank, options=({"packed": True},))
 
 
-def _check_parity(mesh: object, rank: int, *, layouts: tuple[bool, ...]) -> None:
-    for packed in layouts:
+def _check_parity(mesh: object, rank: int, *, options: tuple[dict[str, bool], ...]) -> None:
+    for option in options:
         plain_model, model = fsdp2_linears(mesh, WIDTH), fsdp2_linears(mesh, WIDTH)
         plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
         sim = SimBackend(mode="random", seed=rank)
-        config = SwapConfig(backend=sim, swap_times=3, min_numel=16, step="in_backward", packed=packed)
+        config = SwapConfig(backend=sim, swap_times=3, min_numel=16, step="in_backward").replace(**option)
         swapped = swap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config)
         for step in range(STEPS):
-            _train_step(plain, plain_model, swapped, model, step, rank)
-            where = f"rank {rank}, {'packed' if packed else 'per tensor'}, step {step}"
+            freed = _train_step(plain, plain_model, swapped, model, step, rank)
+            where = f"rank {rank}, {option}, step {step}"
+            assert freed == (bool(option.get("free_gradients")) and step > 0), where
             stats = swapped.stats
             assert stats.batches == 3 and stats.batches_in_backward == (3 if step > 0 else 0), (where, stats)
             for index, (expected, actual) in enumerate(zip(plain_model.parameters(), model.parameters(), strict=True)):
@@ -67,8 +69,9 @@ def _train_step(
     model: torch.nn.Module,
     step: int,
     rank: int,
-) -> None:
-    """Odd steps accumulate two micro-batches (the first inside ``accumulating()``), even steps take one."""
+) -> bool:
+    """Odd steps accumulate two micro-batches (the first inside ``accumulating()``), even steps take one; whether
+    every gradient was freed inside the last backward (``free_gradients=True``)."""
     micro_batches = MICRO_BATCHES if step % 2 else 1
     for micro_batch in range(micro_batches):
         _backward(plain_model, step, micro_batch, rank)
@@ -78,8 +81,10 @@ def _train_step(
         for micro_batch in range(micro_batches - 1):
             _backward(model, step, micro_batch, rank)
     _backward(model, step, micro_batches - 1, rank)
+    freed = all(param.grad is None for param in model.parameters())
     swapped.step()
     swapped.zero_grad(set_to_none=True)
+    return freed
 
 
 def test_fsdp2_hooks_update_every_batch_inside_the_backward_bitwise_the_plain_optimizer() -> None:

@@ -112,8 +112,8 @@ class SwapConfig:
     """With ``step="in_backward"``: drop each batch's gradients (``p.grad = None``) as soon as its update is issued
     inside the backward, as torchtune's ``optimizer_in_bwd`` does, so that the gradients of the layers already
     updated are freed while the backward goes on (they read ``None`` after it; ``clip_grad_norm_`` then sees only
-    the gradients left). Where the hooks run under another stream than the steps (FSDP2's post-reduce stream), the
-    gradients are kept until ``step()``, with a warning (docs/step-in-backward.md)."""
+    the gradients left). Where the hooks run under another stream than the steps (FSDP2's post-reduce stream), each
+    gradient's block is kept from reuse until its update is done (docs/step-in-backward.md)."""
 
     host_memory: HostMemoryMode = "exact"
     """``"exact"``: host buffers pinned at their size, to the page (CUDA registers them with the driver; elsewhere

@@ -256,6 +256,12 @@ class AcceleratorBackend:
             tensor.record_stream(in_use_on)  # type: ignore[arg-type]
         tensor.untyped_storage().resize_(0)
 
+    def free_when_done(self, tensor: torch.Tensor, *, allocated_on: Stream, in_use_on: Stream) -> None:
+        """``tensor.record_stream(in_use_on)`` when it is another stream than ``allocated_on`` (not yet run on
+        hardware)."""
+        if in_use_on != allocated_on:
+            tensor.record_stream(in_use_on)  # type: ignore[arg-type]
+
     def restore_storage(self, tensor: torch.Tensor) -> None:
         """Regrow a released storage; only whole-storage tensors can be regrown to a known size."""
         if not spans_whole_storage(tensor):

@@ -144,6 +144,13 @@ class DeviceBackend(Protocol):
         """Re-allocate storage released by :meth:`release_storage`; contents are undefined."""
         ...
 
+    def free_when_done(self, tensor: torch.Tensor, *, allocated_on: Stream, in_use_on: Stream) -> None:
+        """The caller drops its last references to ``tensor`` next, memory torch allocated under ``allocated_on``
+        (a gradient under FSDP2's post-reduce stream), while work issued to ``in_use_on`` may still read it: its
+        block must not go to a new allocation from ``allocated_on``'s pool before that work is done (a caching
+        allocator's ``record_stream``). Nothing is needed when the two are one stream (reuse is ordered there)."""
+        ...
+
     def memory_allocated(self) -> int:
         """Device bytes currently allocated."""
         ...

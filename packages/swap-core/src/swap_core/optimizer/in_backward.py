@@ -36,7 +36,6 @@ from ..errors import SwapStateError
 from ..nesting import NestedFlag
 from ..runtime.batch_walk import BatchWalk
 from ..runtime.plan import SwapPlan
-from ..runtime.planned_batch import PlannedBatch
 from ..stats import SwapStats
 from ..trace import StepTrace
 from ..user_warnings import warn_user
@@ -88,7 +87,6 @@ class InBackwardStep:
         self._gave_up = False
         """No step can begin in this backward (tried at its first hook): the rest of it tries no more."""
         self._warned = False
-        self._warned_of_streams = False
         self._seen = GradientWatch()
         """The gradients of a backward in which no step began, as their hooks saw them."""
         self._repeated = False
@@ -157,7 +155,7 @@ class InBackwardStep:
                     raise
                 started.stats.batches_in_backward += 1
                 if self._sync.config.free_gradients:
-                    self._free_gradients(started.run, batch)
+                    started.run.free_gradients(batch, allocated_on=self._sync.backend.compute_stream())
 
     def finish(self) -> tuple[SwapStats, SwapPlan, StepTrace | None] | None:
         """``step()`` after a step began inside the backward: the batches left, then the check of the gradients
@@ -251,21 +249,6 @@ class InBackwardStep:
                 f"never had a gradient; the first of shape {tuple(stateless[0].shape)}), so the steps run after the "
                 "backward until every parameter has one; parameters that never take a gradient should not require "
                 "one (requires_grad_(False)) or be left out of the optimizer",
-                UserWarning,
-            )
-
-    def _free_gradients(self, run: StepRun, batch: PlannedBatch) -> None:
-        """``free_gradients=True``: the batch's gradients go, unless the hook runs under another stream than the
-        steps (the gradient's memory would go back to that stream's pool, which could hand it out before the
-        update, issued on the steps' stream, read it): then they stay until ``step()``, with a warning once."""
-        if self._sync.backend.compute_stream() == self._sync.scheduler.compute:
-            run.free_gradients(batch)
-        elif not self._warned_of_streams:
-            self._warned_of_streams = True
-            warn_user(
-                "SwapConfig(free_gradients=True): the gradient hooks run under another stream than the steps (FSDP2 "
-                "runs them under its post-reduce stream), so each batch's gradients are kept until step() instead "
-                "of freed after its update inside the backward",
                 UserWarning,
             )
 

@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 
 from ..adapters.base import UpdateBatch
+from ..backends.protocol import Stream
 from ..errors import SwapStateError
 from ..runtime.dtensor import local_tensor
 from ..runtime.plan import PlannedBatch, SwapPlan
@@ -182,12 +183,19 @@ class StepRun:
         """Whether a batch of this step updated ``param`` with its gradient already."""
         return param in self._applied
 
-    def free_gradients(self, batch: PlannedBatch) -> None:
+    def free_gradients(self, batch: PlannedBatch, *, allocated_on: Stream) -> None:
         """Drop the gradients ``batch`` updated with, the parameters' (``p.grad = None``) and this step's references
-        (its issued update holds them until it ran); :meth:`edited_gradients` then expects ``None`` there."""
+        (its issued update holds them until it ran); :meth:`edited_gradients` then expects ``None`` there.
+        ``allocated_on``: the stream torch made them under (the hooks'): their blocks are kept from its pool until
+        the update, issued to the steps' stream, is done (``DeviceBackend.free_when_done``)."""
+        backend, steps = self.sync.backend, self.sync.scheduler.compute
         for _, param in batch.params:
             if self._applied.drop(param):
-                self.grads[self._positions[id(param)]] = None
+                position = self._positions[id(param)]
+                grad = self.grads[position]
+                if grad is not None and allocated_on != steps:
+                    backend.free_when_done(_local_grad(grad), allocated_on=allocated_on, in_use_on=steps)
+                self.grads[position] = None
 
     def edited_gradients(self) -> list[torch.Tensor]:
         """The parameters whose gradient was replaced or written in place since its batch updated with it (or set

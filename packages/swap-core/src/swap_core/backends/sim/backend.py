@@ -227,6 +227,10 @@ class SimBackend:
         """
         self._memory.release_storage(tensor, in_use_on)
 
+    def free_when_done(self, tensor: torch.Tensor, *, allocated_on: Stream, in_use_on: Stream) -> None:
+        """The block's reuse, checked by the race checker (:meth:`SimDeviceMemory.free_when_done`)."""
+        self._memory.free_when_done(tensor, allocated_on, in_use_on)
+
     def restore_storage(self, tensor: torch.Tensor) -> None:
         """Re-allocate a released storage (poisoned, counted, written by the current stream): its own cached block
         when the cache still holds it and it is free on this stream, else a cached block of its size whose storage

@@ -67,6 +67,18 @@ class SimDeviceMemory:
             return
         self._free_storage(tensor, record, nbytes)
 
+    def free_when_done(self, tensor: torch.Tensor, allocated_on: Stream, in_use_on: Stream) -> None:
+        """See :meth:`SimBackend.free_when_done`. The block of torch-allocated ``tensor`` goes back to
+        ``allocated_on``'s pool once dropped, and its next allocation there writes the whole storage: at once when
+        ``in_use_on`` is that stream, else only after ``in_use_on``'s work so far (``record_stream``), so the write
+        is modeled at the end of ``in_use_on``, checked by the race checker against every earlier access (a read
+        not ordered before it, the update's read of a gradient under another stream, is reported)."""
+        machine = self._machine
+        machine.own_stream(allocated_on)
+        if machine.race_checker is not None:
+            nbytes = tensor.untyped_storage().nbytes()
+            machine.stream_writes_storage(machine.own_stream(in_use_on), tensor, nbytes, "reuse of a freed block")
+
     def _release_after(self, tensor: torch.Tensor, record: StorageRecord, nbytes: int, stream: SimStream) -> None:
         """``release_storage(tensor, in_use_on=stream)``: queued on ``stream`` behind the work that reads it."""
         machine = self._machine
