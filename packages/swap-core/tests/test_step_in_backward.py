@@ -133,41 +133,55 @@ def test_hooks_under_another_stream_update_on_the_steps_stream_after_the_gradien
     first (lazy: still queued when the hook runs). The batches update on the steps' stream, ordered after it
     (without the wait the race checker reports the update's read), and stage there: the side stream's pool takes
     no staging, so the reserved memory stays flat."""
-    plain_model, model = _model(), _model()
-    plain = _rmsprop(plain_model)
     sim = SimBackend(mode="lazy")
-    post_reduce = sim.new_stream()
-    for param in model.parameters():  # before the optimizer's hooks: the "reduce-scatter" writes the gradient
-        param.register_post_accumulate_grad_hook(_rewritten_under(sim))  # type: ignore[no-untyped-call]
-    optimizer = _in_backward(model, sim, packed=packed)
+    twins = _UnderPostReduce(sim, packed=packed)
     reserved = []
     for step in range(STEPS):
-        _forward(plain_model, _inputs(step)).backward()
-        plain.step()
-        plain.zero_grad(set_to_none=True)
-        with sim.stream(post_reduce):
-            _forward(model, _inputs(step)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        assert optimizer.stats.batches_in_backward == (3 if step > 0 else 0), step
+        twins.backward(step)
+        twins.optimizer.step()
+        twins.optimizer.zero_grad(set_to_none=True)
+        assert twins.optimizer.stats.batches_in_backward == (3 if step > 0 else 0), step
         with sim.compute_scope():  # the next forward reads the parameters on the steps' stream
-            for param in model.parameters():
+            for param in twins.model.parameters():
                 param.detach().sum()
         sim.synchronize()
         reserved.append(sim.memory_reserved())
-        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        twins.assert_same(f"step {step}")
     assert not sim.races, sim.races
     assert reserved[2:] == reserved[1:-1], f"the staging took blocks of the hooks' stream's pool: {reserved}"
 
 
-def _rewritten_under(sim: SimBackend) -> Callable[[torch.Tensor], None]:
-    def rewrite(param: torch.Tensor) -> None:
+class _UnderPostReduce:
+    """A plain model and optimizer, and a swapped twin (``step="in_backward"``) whose backward runs under a side
+    stream, as FSDP2 runs the hooks under its post-reduce stream: a hook registered before the optimizer's
+    rewrites each gradient there first, as a reduce-scatter writes it (lazy: still queued when the optimizer's
+    hook runs)."""
+
+    def __init__(self, sim: SimBackend, **options: object) -> None:
+        self.plain_model, self.model = _model(), _model()
+        self.plain = _rmsprop(self.plain_model)
+        self.post_reduce = sim.new_stream()
+        self.sim = sim
+        for param in self.model.parameters():
+            param.register_post_accumulate_grad_hook(self._rewrite)  # type: ignore[no-untyped-call]
+        self.optimizer = _in_backward(self.model, sim, **options)
+
+    def _rewrite(self, param: torch.Tensor) -> None:
         assert param.grad is not None
-        sim.adopt(param.grad)  # device memory, as a reduce-scatter's output is
-        with sim.compute_scope():
+        self.sim.adopt(param.grad)  # device memory, as a reduce-scatter's output is
+        with self.sim.compute_scope():
             param.grad.copy_(param.grad.clone())  # a write on the hook's (the current) stream
 
-    return rewrite
+    def backward(self, step: int) -> None:
+        """The plain optimizer's whole step; the swapped model's backward, under the side stream."""
+        _forward(self.plain_model, _inputs(step)).backward()
+        self.plain.step()
+        self.plain.zero_grad(set_to_none=True)
+        with self.sim.stream(self.post_reduce):
+            _forward(self.model, _inputs(step)).backward()
+
+    def assert_same(self, where: str) -> None:
+        _assert_same(self.plain_model, self.model, self.plain, self.optimizer, where)
 
 
 def test_freed_gradients_lower_the_peak_of_gradients_and_staging_and_stay_bitwise() -> None:
@@ -240,26 +254,17 @@ def test_freed_gradients_under_another_stream_go_back_to_its_pool_only_after_the
             free_when_done(self, tensor, allocated_on=allocated_on, in_use_on=allocated_on)
 
         monkeypatch.setattr(SimBackend, "free_when_done", unrecorded)
-    plain_model, model = _model(), _model()
-    plain = _rmsprop(plain_model)
     sim = SimBackend(mode="lazy", on_race="record")
-    post_reduce = sim.new_stream()
-    for param in model.parameters():  # before the optimizer's hooks: the "reduce-scatter" writes the gradient
-        param.register_post_accumulate_grad_hook(_rewritten_under(sim))  # type: ignore[no-untyped-call]
-    optimizer = _in_backward(model, sim, free_gradients=True)
+    twins = _UnderPostReduce(sim, free_gradients=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: the gradients are freed, not kept
         for step in range(STEPS):
-            _forward(plain_model, _inputs(step)).backward()
-            plain.step()
-            plain.zero_grad(set_to_none=True)
-            with sim.stream(post_reduce):
-                _forward(model, _inputs(step)).backward()
-            freed = [param.grad is None for param in model.parameters()]
+            twins.backward(step)
+            freed = [param.grad is None for param in twins.model.parameters()]
             assert all(freed) == (step > 0), f"step {step}: freed {freed}"
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+            twins.optimizer.step()
+            twins.optimizer.zero_grad(set_to_none=True)
+            twins.assert_same(f"step {step}")
     reuses = [race for race in sim.races if "reuse of a freed block" in race]
     if recorded:
         assert not sim.races, sim.races
