@@ -1,8 +1,8 @@
 """The one task runner of the swap monorepo.
 
-``nox`` runs lint, typecheck, tests (one session per package), integration, docs, docs_snippets (every Python
-snippet of README.md and docs/), build (wheels and sdists, checked) and install_matrix (fresh environments
-installing subsets of the built wheels).
+``nox`` runs lint, typecheck, tests (one session per package), integration, kernels (the tests comparing figures
+with docs, under torch's portable CPU kernels), docs, docs_snippets (every Python snippet of README.md and docs/),
+build (wheels and sdists, checked) and install_matrix (fresh environments installing subsets of the built wheels).
 ``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py), ``nox -s
 demo_bf16`` the same GPT in bf16 with and without master weights (examples/train_gpt_bf16.py);
 ``nox -s thirdparty`` checks swap-generic over third-party optimizers, ``nox -s integrations`` the
@@ -54,7 +54,17 @@ CORE_PACKAGE = "swap-core"
 LINT_TARGETS = ("packages", "integration-tests", "examples", "tools", "noxfile.py", "conftest.py")
 
 nox.needs_version = ">=2024.3.2"  # nox.options.reuse_venv, CommandFailed.return_code
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "docs", "docs_snippets", "build", "install_matrix"]
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "tests",
+    "integration",
+    "kernels(kernels='default')",
+    "docs",
+    "docs_snippets",
+    "build",
+    "install_matrix",
+]
 nox.options.reuse_venv = "yes"  # local speed; CI runs a clean clone, so its sessions start fresh
 
 
@@ -217,6 +227,38 @@ def integration(session: nox.Session) -> None:
             raise
         # Exit 5 with test modules present means the arguments deselected every test.
         session.log(f"pytest collected no integration tests with arguments {session.posargs!r}; nothing ran.")
+
+
+FIGURE_TESTS = (
+    "integration-tests/test_demo.py",
+    "packages/swap-bench/tests/test_documented_figures.py",
+    "packages/swap-bench/tests/test_iteration_model.py",
+    "packages/swap-core/tests/test_step_in_backward.py",
+)
+"""Modules holding the tests marked ``figures``: those comparing a figure with a doc, a README line or a stored
+number (the ``kernels`` session runs only the marked tests of these modules)."""
+CPU_KERNELS = ("default", "avx2", "avx512")
+"""``ATEN_CPU_CAPABILITY`` values: the CPU kernels torch is made to pick, from the portable ones up."""
+
+
+@nox.session
+@nox.parametrize("kernels", CPU_KERNELS)
+def kernels(session: nox.Session, kernels: str) -> None:
+    """The ``figures`` tests with torch's CPU kernels forced (``ATEN_CPU_CAPABILITY``): no test may pass only on CPUs
+    that pick the kernels of the machine where a figure was measured (bf16 losses and drifts differ by kernel).
+
+    Plain ``nox`` runs ``kernels(kernels='default')``, the portable kernels; the tests and integration sessions run
+    the same tests with the machine's own choice. A choice this CPU cannot make (``avx512`` without AVX-512) is
+    skipped, saying what torch chose instead."""
+    install_workspace(session, *TEST_TOOLS, *PLOT_TOOLS)
+    forced = {"ATEN_CPU_CAPABILITY": kernels}
+    chosen = session.run(
+        "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())", env=forced, silent=True
+    )
+    assert isinstance(chosen, str), "nox returns a command's output when silent"
+    if chosen.strip().lower() != kernels:
+        session.skip(f"torch cannot run its {kernels!r} CPU kernels here: it chose {chosen.strip()!r}")
+    session.run("pytest", *TEST_WORKERS, "-m", "figures", *FIGURE_TESTS, *session.posargs, env=forced)
 
 
 DOCS_SNIPPET_TOOLS = ("pytest-markdown-docs==0.9.2",)

@@ -8,14 +8,18 @@ matplotlib or swap-adam is not installed (the nox ``integration`` session instal
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("swap_adam")
+
+pytestmark = pytest.mark.figures  # each compares the demo's figures with a doc or a rule: run under other kernels too
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "train_gpt.py"
@@ -100,27 +104,48 @@ def test_bf16_demo_swapped_masters_are_bitwise_the_fp32_masters(tmp_path: Path) 
     assert device["swapped masters"]["state_between"] < device["plain bf16"]["state_between"]
 
 
+DRIFT_FACTOR = 2
+"""How far a run's bf16 loss drift may lie from the figure docs/master-weights.md quotes, as a factor either way.
+
+The drift is plain bf16 AdamW's rounding through torch's CPU kernels (matmuls, reductions), which torch picks by what
+the CPU offers: 0.0038 on the machine the page names, 0.0039 there with ``ATEN_CPU_CAPABILITY=default`` or ``avx2``,
+0.0035 on another machine of the same kind. The page says where it was measured and states this factor."""
+
+_QUOTED_DRIFT = re.compile(
+    r"[Pp]lain bf16 AdamW's loss drifted from the reference's by up to (?P<drift>\d+\.\d+) \(measured on [^)]+\)"
+)
+
+
 @pytest.mark.slow
 def test_the_master_weights_page_quotes_a_20_step_bf16_demo(tmp_path: Path) -> None:
-    """docs/master-weights.md's figures of the bf16 demo are those of a 20-step run (``--quick``) today."""
+    """docs/master-weights.md's figures of the bf16 demo are those of a 20-step run (``--quick``) today: the bytes
+    exactly (they do not depend on the CPU), the loss drift within the factor the page states (it does)."""
     out = tmp_path / "demo-bf16-quick"
     _run(BF16_DEMO, "--quick", "--out", str(out))
     summary = json.loads((out / "summary.json").read_text())
     device = summary["device_bytes"]
     losses = summary["losses"]
-    drift = max(abs(a - b) for a, b in zip(losses["plain bf16"], losses["fp32 masters"], strict=True))
 
     def mib(count: int) -> str:
         return f"{count / 2**20:.2f} MiB"
 
-    quoted = (
+    exact = (
         f"In a 20-step run here ({summary['parameters']:,} parameters, `swap_times=4`): bf16 weights and "
         f"gradients {mib(device['plain bf16']['weights_and_grads'])} in every run; optimizer state on the device "
         f"{mib(device['plain bf16']['state_between'])} (plain bf16), {mib(device['fp32 masters']['state_between'])} "
         f"(fp32 masters with their gradients and fp32 moments), {mib(device['swapped masters']['state_between'])} "
         f"between steps and {mib(device['swapped masters']['state_peak'])} at the peak of a step (swapped), with "
-        f"{mib(summary['host_state_bytes'])} in host memory; plain bf16 AdamW's loss drifted from the reference's "
-        f"by up to {drift:.4f}"
+        f"{mib(summary['host_state_bytes'])} in host memory."
     )
     page = " ".join((ROOT / "docs" / "master-weights.md").read_text().split())
-    assert quoted in page, f"docs/master-weights.md should say: {quoted}"
+    assert exact in page, f"docs/master-weights.md should say: {exact}"
+
+    quoted = _QUOTED_DRIFT.search(page)
+    assert quoted is not None, f"docs/master-weights.md should quote the drift as {_QUOTED_DRIFT.pattern!r}"
+    assert f"within a factor of {DRIFT_FACTOR} of it" in page, "the page states the tolerance the test applies"
+    drift = max(abs(a - b) for a, b in zip(losses["plain bf16"], losses["fp32 masters"], strict=True))
+    figure, kernels = float(quoted["drift"]), torch.backends.cpu.get_cpu_capability()
+    assert figure / DRIFT_FACTOR <= drift <= figure * DRIFT_FACTOR, (
+        f"plain bf16 AdamW drifted by up to {drift:.4f} here ({kernels} kernels), beyond a factor of {DRIFT_FACTOR} "
+        f"of the page's {figure}: measure it again and say where"
+    )

@@ -19,7 +19,7 @@ from swap_bench.workloads import OPTIMIZERS, WORKLOADS
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.sim import SimBackend
 
-pytestmark = pytest.mark.sim_only
+pytestmark = [pytest.mark.sim_only, pytest.mark.figures]
 
 ROOT = Path(__file__).resolve().parents[3]
 

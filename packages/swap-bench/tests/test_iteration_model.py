@@ -21,7 +21,7 @@ from swap_bench.iteration import IterationModel, IterationRow, documented_models
 from swap_core.optimizer.in_backward import InBackwardStep
 from swap_core.runtime.staging import ArenaStaging, Offloaded
 
-pytestmark = pytest.mark.sim_only
+pytestmark = [pytest.mark.sim_only, pytest.mark.figures]
 
 ROOT = Path(__file__).resolve().parents[3]
 (

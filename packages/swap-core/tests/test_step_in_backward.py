@@ -184,6 +184,7 @@ class _UnderPostReduce:
         _assert_same(self.plain_model, self.model, self.plain, self.optimizer, where)
 
 
+@pytest.mark.figures
 def test_freed_gradients_lower_the_peak_of_gradients_and_staging_and_stay_bitwise() -> None:
     """``free_gradients=True``: each batch's gradients go once its update is issued inside the backward, so the
     peak of gradient bytes plus device bytes (staging, resident states) during an iteration, measured at every
