@@ -284,3 +284,94 @@ def _snapshot_of(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -
     """The parameters and every state tensor, copied (reading the state waits for the copies in flight)."""
     states = [value for param in params for value in optimizer.state[param].values() if torch.is_tensor(value)]
     return [tensor.detach().clone() for tensor in (*params, *states)]
+
+
+# -- a retry that finds the memory the failed attempt held given back ----------------------
+_PER_TENSOR_IN_BACKWARD = pytest.param(
+    False,
+    "in_backward",
+    id="in_backward-per_tensor",
+    marks=pytest.mark.xfail(
+        reason="inside the backward the retry covers the plan and the first staging only: the second batch's "
+        "storages restored by the first batch's walk are not retried (the house issue's one retry covers it)",
+        raises=torch.OutOfMemoryError,
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "packed,step_mode",
+    [(True, "after_backward"), (False, "after_backward"), (True, "in_backward"), _PER_TENSOR_IN_BACKWARD],
+    ids=["after_backward-packed", "after_backward-per_tensor", "in_backward-packed", "in_backward-per_tensor"],
+)
+def test_a_retry_sees_the_memory_the_failed_staging_took_given_back(packed: bool, step_mode: str) -> None:
+    """Another allocation leaves room for the first staging arena (or batch) but not for the next: the staging fails
+    part-way, and the retry plans with the device memory free before it began (the part staged before the failure
+    given back), so it finds the fewest batches that fit and the steps stay bitwise the plain optimizer's."""
+    sim = SimBackend(mode="lazy", device_memory=250 * 1024)
+    reference_params, reference, params, swapped = _pair(sim, swap_times="auto", packed=packed, step=step_mode)
+    hog = None
+    for step in range(4):
+        _set_grads(reference_params, step)
+        reference.step()
+        if step == 2:  # the plan is current: this step's staging is the first to meet the hog
+            plan = swapped.swap_plan()
+            assert len(plan.batches) >= 3, "two batches are staged at a time: the second does not fit"
+            free = sim.available_device_bytes()
+            assert free is not None
+            hog = sim.empty(((free - plan.peak_staging_bytes * 3 // 5) // 4,), torch.float32)
+            free_with_hog = sim.available_device_bytes()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if step_mode == "in_backward":
+                _backward_grads(params, step)
+            else:
+                _set_grads(params, step)
+            swapped.step()
+        retried = [str(warning.message) for warning in caught if issubclass(warning.category, ResourceWarning)]
+        assert len(retried) == (step == 2), retried
+        if step == 2:
+            assert swapped.stats.available_device_bytes == free_with_hog, "the retry saw the failed staging held"
+            if step_mode == "in_backward":
+                assert swapped.stats.batches_in_backward == swapped.stats.batches
+    assert hog is not None
+    for index, (expected, actual) in enumerate(zip(reference_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the retried step")
+    assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after the retried step")
+
+
+@pytest.mark.parametrize("step_mode", ["after_backward", "in_backward"])
+def test_a_step_refused_while_planning_leaves_a_new_group_without_state(step_mode: str) -> None:
+    """``add_param_group`` with a parameter whose staging fits nowhere: the step is refused while planning, before
+    anything changes, and the new parameter has no state afterwards (no zero state made for it), as the optimizer
+    that never stepped it; once it fits (a larger device), the steps are bitwise the plain optimizer's."""
+    sim = SimBackend(mode="lazy", device_memory=250 * 1024)
+    reference_params, reference, params, swapped = _pair(sim, swap_times="auto", step=step_mode)
+    _set_grads(reference_params, 0)
+    reference.step()
+    _set_grads(params, 0)
+    swapped.step()
+    extra_reference, extra = (
+        torch.nn.Parameter(torch.randn(256, 256, generator=torch.Generator().manual_seed(3))) for _ in range(2)
+    )
+    reference.add_param_group({"params": [extra_reference]})
+    swapped.add_param_group({"params": [extra]})
+    before = _snapshot_of([*params, extra], swapped)
+    _set_grads([*params, extra], 1)
+    with pytest.raises(DeviceMemoryError, match=r"even \d+ batches"):
+        swapped.step()
+    assert extra not in swapped.state or not swapped.state[extra], "a refused step made a state"
+    assert_state_dicts_equal(swapped.state_dict(), {**reference.state_dict()}, "after the refused step")
+    for index, (expected, actual) in enumerate(zip(before, _snapshot_of([*params, extra], swapped), strict=True)):
+        assert_bitwise_equal(expected, actual, f"tensor {index} after the refused step")
+    sim.device_memory = 4 * MIB
+    for step in range(1, 3):
+        _set_grads([*reference_params, extra_reference], step)
+        reference.step()
+        _set_grads([*params, extra], step)
+        swapped.step()
+    for index, (expected, actual) in enumerate(
+        zip([*reference_params, extra_reference], [*params, extra], strict=True)
+    ):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+    assert_state_dicts_equal(reference.state_dict(), swapped.state_dict(), "after the steps that fit")

@@ -36,10 +36,11 @@ class StatesBeforeTheStep:
     def before_journal(self, ordered: list[torch.Tensor]) -> None:
         """Nothing is left unpacked by an earlier step."""
 
-    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> None:
-        """Every missing state of the parameters with a gradient (masters included), unless ``complete``."""
+    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> list[torch.Tensor]:
+        """Every missing state of the parameters with a gradient (masters included), unless ``complete``; the
+        parameters it made states for."""
         if complete:
-            return
+            return []
         sync = self.sync
         asked = [
             (param, sync.adapter.initial_state(sync.as_updated(param), sync.param_groups[group_index]))
@@ -48,9 +49,9 @@ class StatesBeforeTheStep:
         ]
         # A parameter the adapter keeps no state for (distributed Muon's matrices another rank owns) has nothing
         # to create: left out, it does not make the plan be built again at every step.
-        sync.create_states(
-            [(param, initial) for param, initial in asked if initial or (sync.master_weights and has_master(param))]
-        )
+        fresh = [(param, initial) for param, initial in asked if initial or (sync.master_weights and has_master(param))]
+        sync.create_states(fresh)
+        return [param for param, _ in fresh]
 
     def partition_costs(self, store: StateStore, params: list[torch.Tensor]) -> list[int] | None:
         """Every state exists when the plan is made: the swapped bytes balance the batches."""
@@ -82,15 +83,16 @@ class StatesMadeByTheUpdate:
         """Pack those a failed step left unpacked."""
         self.sync.pack_fresh_states(ordered)
 
-    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> None:
-        """With master weights, the masters, which the update runs on, come first; the states are the update's."""
+    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> list[torch.Tensor]:
+        """With master weights, the masters, which the update runs on, come first; the states are the update's. The
+        parameters it made masters for."""
         sync = self.sync
         if complete or not sync.master_weights:
-            return
+            return []
         empty: dict[str, torch.Tensor | StateInit] = {}
-        sync.create_states(
-            [(param, empty) for _, param in params_with_grad() if has_master(param) and not sync.state[param]]
-        )
+        fresh = [(param, empty) for _, param in params_with_grad() if has_master(param) and not sync.state[param]]
+        sync.create_states(fresh)
+        return [param for param, _ in fresh]
 
     def partition_costs(self, store: StateStore, params: list[torch.Tensor]) -> list[int] | None:
         """Batching costs while some states are still to be made by the update, or ``None`` once none is.

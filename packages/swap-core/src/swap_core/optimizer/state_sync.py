@@ -263,7 +263,7 @@ class StateSync:
             self.store.check_room_for(fresh, self.ordered_params())
 
     # -- states made, moved and packed --------------------------------------------------
-    def create_states(self, fresh: list[tuple[torch.Tensor, Mapping[str, torch.Tensor | StateInit]]]) -> None:
+    def create_states(self, fresh: Sequence[tuple[torch.Tensor, Mapping[str, torch.Tensor | StateInit]]]) -> None:
         """Fresh states (``initial``, plus the master with master weights) of parameters that have none, swapped ones
         born on the host; all or nothing (each parameter has no state again if the host lacks the memory)."""
         if not fresh:

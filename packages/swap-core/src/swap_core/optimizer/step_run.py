@@ -49,6 +49,8 @@ class StepRun:
         self._applied = GradientWatch()
         """Inside the backward: each parameter a batch updated, with the gradient it used."""
         self._positions: dict[int, int] = {}
+        self._created: list[torch.Tensor] = []
+        """The parameters this step made states for before its batches (removed again if it fails before any)."""
 
     def release(self) -> None:
         """Drop the step's references to gradients and saved values (``zero_grad(set_to_none=True)`` frees them)."""
@@ -68,7 +70,7 @@ class StepRun:
         self._journal = self._step_journal()
         plan: SwapPlan | None = None
         try:
-            creation.make_missing(self.plans.states_complete(), self.params_with_grad)
+            self._created = creation.make_missing(self.plans.states_complete(), self.params_with_grad)
             plan = self.plans.current()
             entries_before = creation.before_batches(plan, self.params_with_grad)
             # Every parameter has a gradient and a state (the usual step): batches skip per-parameter checks.
@@ -220,6 +222,8 @@ class StepRun:
         """The step raised: undo it whole where its journal allows, else say what it applied."""
         journal, sync = self._journal, self.sync
         if journal is None:
+            if not self.batches_updated:
+                self._forget_created_states()
             note_partial_step(error, self.batches_updated, batches)
             return
         sync.scheduler.synchronize()  # every copy of this step has landed: the mirrors may be written
@@ -243,6 +247,15 @@ class StepRun:
             if param in state:
                 del state[param]
         sync.changed()
+
+    def _forget_created_states(self) -> None:
+        """A step that failed before any batch updated leaves no state it made (``add_param_group`` then a plan that
+        does not fit: the new parameters have no state, as torch's never-stepped ones)."""
+        state = self.sync.state
+        for param in self._created:
+            state.pop(param, None)
+        if self._created:
+            self.sync.changed()
 
 
 def _sparse_gradient(group_index: int, param: torch.Tensor) -> RuntimeError:

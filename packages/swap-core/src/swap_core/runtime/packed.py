@@ -125,10 +125,20 @@ class StagingArenas:
         return sum(self.sizes)
 
     def acquire(self) -> None:
-        if not self.allocated:
+        """Allocate every arena, or none: an out-of-memory on a later arena gives back the earlier ones (a retry with
+        more batches must find the memory as it was before this attempt)."""
+        if self.allocated:
+            return
+        restored: list[torch.Tensor] = []
+        try:
             for arena in self.arenas:
                 self._backend.restore_storage(arena)
-            self.allocated = True
+                restored.append(arena)
+        except BaseException:
+            for arena in restored:  # nothing was issued on them yet
+                self._backend.release_storage(arena, in_use_on=None)
+            raise
+        self.allocated = True
 
     def release(self, *, in_use_on: Stream | None = None) -> None:
         """Free the arenas (stream-ordered behind the work issued to ``in_use_on``, see ``release_storage``)."""
