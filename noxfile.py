@@ -244,8 +244,10 @@ CPU_KERNELS = ("default", "avx2", "avx512")
 @nox.session
 @nox.parametrize("kernels", CPU_KERNELS)
 def kernels(session: nox.Session, kernels: str) -> None:
-    """The ``figures`` tests with torch's CPU kernels forced (``ATEN_CPU_CAPABILITY``): no test may pass only on CPUs
-    that pick the kernels of the machine where a figure was measured (bf16 losses and drifts differ by kernel).
+    """The tests comparing figures with the docs, with torch's CPU kernels forced (``ATEN_CPU_CAPABILITY``).
+
+    No test may pass only on CPUs that pick the kernels of the machine where a figure was measured (bf16 losses and
+    drifts differ by kernel): the tests marked ``figures`` run here.
 
     Plain ``nox`` runs ``kernels(kernels='default')``, the portable kernels; the tests and integration sessions run
     the same tests with the machine's own choice. A choice this CPU cannot make (``avx512`` without AVX-512) is
