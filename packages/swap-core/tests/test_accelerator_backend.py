@@ -6,6 +6,7 @@ The real-device tests run only with ``--backend cuda|npu`` on a machine that has
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import re
 import sys
@@ -22,8 +23,9 @@ from torch.overrides import TorchFunctionMode
 import swap_core.backends.accelerator as accelerator
 from swap_core.backend_selection import select_backend
 from swap_core.backends.accelerator import SUPPORTED_DEVICE_TYPES, AcceleratorBackend
+from swap_core.backends.device_types import DEVICE_TYPES, host_registrar
 from swap_core.backends.host_memory import PAGE_BYTES, pinned_size
-from swap_core.backends.host_registration import CudaHostRegistrar, HostRegistrar, host_registrar
+from swap_core.backends.host_registration import CudaHostRegistrar, HostRegistrar
 from swap_core.backends.protocol import DeviceBackend
 from swap_core.errors import PinnedMemoryWarning
 from swap_core.torch_compat import TorchCompatError, clear_cuda_last_error
@@ -220,7 +222,7 @@ def test_invalid_device_index_is_rejected(fake_module: FakeDeviceModule, device_
 def test_pinning_failure_falls_back_to_pageable_and_warns_once(
     fake_backend: AcceleratorBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(accelerator, "_empty_pinned", _fail_pinning)
+    monkeypatch.setattr(accelerator, "empty_pinned", _fail_pinning)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         buffers = [
@@ -242,7 +244,7 @@ def test_pinning_failure_falls_back_to_pageable_and_warns_once(
 
 
 def test_each_backend_instance_warns_for_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(accelerator, "_empty_pinned", _fail_pinning)
+    monkeypatch.setattr(accelerator, "empty_pinned", _fail_pinning)
     with pytest.warns(PinnedMemoryWarning):
         AcceleratorBackend.from_device_module("cuda", FakeDeviceModule()).empty_host(1, torch.float32, mode="caching")
     with pytest.warns(PinnedMemoryWarning):
@@ -260,7 +262,7 @@ def test_pinned_allocation_is_used_when_it_works(
     fake_backend: AcceleratorBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sentinel = torch.zeros(5)
-    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: sentinel)
+    monkeypatch.setattr(accelerator, "empty_pinned", lambda numel, dtype: sentinel)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fake_backend.empty_host(5, torch.float32, mode="caching") is sentinel
@@ -320,7 +322,7 @@ def test_exact_host_buffers_pin_their_size_to_the_page_until_the_last_view_is_go
 def test_exact_host_memory_falls_back_to_the_caching_allocator_and_warns_once(
     device_type: str, registrar: FakeRegistrar | None, reason: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(accelerator, "empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
     module = FakeDeviceModule()
     backend = AcceleratorBackend.from_device_module(device_type, module, registrar=registrar)  # type: ignore[arg-type]
     with warnings.catch_warnings(record=True) as caught:
@@ -379,7 +381,7 @@ def test_a_refused_cuda_registration_resets_the_last_error_and_says_which_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The fallback's first kernel launch must not raise the registration's error; the warning names it."""
-    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(accelerator, "empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
     cudart = FakeCudart(refuse=712)
     registrar = CudaHostRegistrar(cudart=lambda: cudart, clear_last_error=cudart.get_last_error)
     backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=registrar)
@@ -412,7 +414,7 @@ def test_the_bindings_own_cuda_get_last_error_is_preferred() -> None:
 def test_a_refused_registration_whose_error_cannot_be_reset_is_raised_instead_of_falling_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(accelerator, "empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
     cudart = FakeCudart(refuse=712)
 
     def no_runtime_library() -> int:
@@ -531,7 +533,7 @@ def test_npu_pins_exact_buffers_through_torch_npus_npurt(monkeypatch: pytest.Mon
 
 def test_a_refused_npu_registration_falls_back_to_the_caching_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
     registrar = _npu_registrar(monkeypatch, types.SimpleNamespace(npurt=lambda: FakeNpurt(refuse=107000)))
-    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(accelerator, "empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
     backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=registrar)
     with pytest.warns(PinnedMemoryWarning, match="registering it with the driver failed") as caught:
         buffer = backend.empty_host(1000, torch.float32)
@@ -568,7 +570,7 @@ def test_copies_of_empty_host_buffers_know_they_are_pinned_without_asking_the_dr
 ) -> None:
     """``is_pinned()`` is a driver query per copy on CUDA: the buffers ``empty_host`` pinned (and their views) are
     known; any other host tensor is still asked."""
-    monkeypatch.setattr(accelerator, "_empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(accelerator, "empty_pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
     backend = AcceleratorBackend.from_device_module("cuda", FakeDeviceModule(), registrar=FakeRegistrar())
     exact = backend.empty_host(64, torch.float32)
     caching = backend.empty_host(64, torch.float32, mode="caching")
@@ -649,7 +651,7 @@ def test_dense_copies_of_one_non_contiguous_layout_are_flat_copies_with_the_same
 
     (An npu device cannot be made without torch_npu: the fake cuda backend is told to copy as npu does.)
     """
-    monkeypatch.setattr(accelerator, "_FLAT_COPY_DEVICE_TYPES", frozenset({"cuda"}))
+    monkeypatch.setitem(DEVICE_TYPES, "cuda", dataclasses.replace(DEVICE_TYPES["cuda"], flat_copies=True))
     fake_backend = AcceleratorBackend.from_device_module("cuda", fake_module)
     source = torch.arange(1.0, 129.0)
     destination, expected = torch.zeros(128), torch.zeros(128)

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, SwapOptimizer, default_registry, swap_optimizer
-from swap_core.backends.host_registration import host_registrar
+from swap_core.backends.device_types import host_registrar
 from swap_core.errors import AdapterNotFoundError, PinnedMemoryWarning
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 

@@ -19,39 +19,17 @@ from typing import Protocol, cast
 
 import torch
 
+from swap_core.backends.device_types import DEVICE_TYPES, SUPPORTED_DEVICE_TYPES
 from swap_core.backends.host_memory import HostMemoryMode, available_host_bytes, pinned_size, warn_pinning_once
-from swap_core.backends.host_registration import (
-    DeviceBoundRegistrar,
-    HostRegistrar,
-    host_registrar,
-    registered_host_buffer,
-)
+from swap_core.backends.host_registration import DeviceBoundRegistrar, HostRegistrar, registered_host_buffer
 from swap_core.backends.protocol import Event, ModeledTimes, Stream
 from swap_core.backends.tensor_layout import is_dense, spans_whole_storage
 from swap_core.torch_compat import TorchCompatError, host_empty_cache
 
-__all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "DeviceModule", "accelerator_available"]
-
-SUPPORTED_DEVICE_TYPES: tuple[str, ...] = ("cuda", "npu", "xpu")
-"""Device types :class:`AcceleratorBackend` drives."""
-
-_DEVICE_EXTENSIONS: dict[str, str] = {"npu": "torch_npu"}
-"""Out-of-tree device types and the extension module that registers them with torch."""
+__all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "DeviceModule", "accelerator_available", "empty_pinned"]
 
 _PINNED_BYTES = "_swap_pinned_bytes"
 """Attribute an ``empty_host`` buffer carries: the host bytes pinned for it."""
-
-_FLAT_COPY_DEVICE_TYPES = frozenset({"npu"})
-"""Device types whose host/device copies go direct only for contiguous tensors: same-layout pairs copy flat."""
-
-_NO_REGISTRAR_HINTS: dict[str, str] = {"npu": " (this torch_npu offers no torch.npu.npurt(); a newer one does)"}
-"""Why a device type got no host registrar, where an upgrade would give it one."""
-
-_INSTALL_HINTS: dict[str, str] = {
-    "npu": "torch_npu must be installed for the npu device (pip install swap-core[npu]) and an Ascend NPU visible",
-    "cuda": "a CUDA build of torch and a visible CUDA device are required",
-    "xpu": "an XPU build of torch and a visible Intel GPU are required",
-}
 
 
 class _DeviceStream(Protocol):
@@ -134,10 +112,11 @@ class AcceleratorBackend:
         self._module = module
         self._device = torch.device(device_type, index)
         self._warned: set[str] = set()
-        runtime = host_registrar(device_type) if registrar is None else registrar
+        kind = DEVICE_TYPES[device_type]
+        runtime = kind.host_registrar() if registrar is None else registrar
         self._registrar = None if runtime is None else DeviceBoundRegistrar(runtime, module, self._device)
         self._pinned_storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
-        self._flat_copies = device_type in _FLAT_COPY_DEVICE_TYPES
+        self._flat_copies = kind.flat_copies
 
     def __repr__(self) -> str:
         return f"AcceleratorBackend({str(self._device)!r})"
@@ -188,10 +167,10 @@ class AcceleratorBackend:
                 else:
                     return self._record_pinned(buffer, pinned_size(nbytes, "exact"))
             else:
-                hint = _NO_REGISTRAR_HINTS.get(self.name, "")
+                hint = DEVICE_TYPES[self.name].no_registrar_hint
                 self._warn_caching_once(f"{self.name} has no public way to register host memory{hint}")
         try:
-            buffer = _empty_pinned(numel, dtype)
+            buffer = empty_pinned(numel, dtype)
         except RuntimeError as error:
             self._warn_pageable_once(error)
             return torch.empty(numel, dtype=dtype)
@@ -383,17 +362,18 @@ def accelerator_available(device_type: str) -> bool:
 
 
 def _load_device_module(device_type: str) -> DeviceModule:
-    if device_type not in SUPPORTED_DEVICE_TYPES:
+    kind = DEVICE_TYPES.get(device_type)
+    if kind is None:
         raise ValueError(
             f"Unsupported accelerator device type {device_type!r}; AcceleratorBackend supports "
             f"{', '.join(SUPPORTED_DEVICE_TYPES)} (use backend='sim' for the simulated accelerator)"
         )
     unavailable = (
         f"The {device_type} accelerator is not available to torch {torch.__version__}: "
-        f"{_INSTALL_HINTS[device_type]} (or use backend='sim' for the simulated accelerator)"
+        f"{kind.unavailable_hint} (or use backend='sim' for the simulated accelerator)"
     )
     try:
-        extension = _DEVICE_EXTENSIONS.get(device_type)
+        extension = kind.extension
         if extension is not None:  # normally autoloaded by torch; imported here in case autoload is off
             importlib.import_module(extension)
         module = torch.get_device_module(device_type)
@@ -404,8 +384,8 @@ def _load_device_module(device_type: str) -> DeviceModule:
     return cast(DeviceModule, module)
 
 
-def _empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Separate from the backend so tests can make pinning fail on machines where it works."""
+def empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch's pinned allocation; a function of its own, so that tests can make pinning fail where it works."""
     return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 

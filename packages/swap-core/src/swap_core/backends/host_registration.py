@@ -10,7 +10,8 @@ The contract of a registration, stated once:
 
 * A :class:`HostRegistrar` is one runtime's raw pin/unpin calls: ``cudaHostRegister`` through
   ``torch.cuda.cudart()``, ``npuHostRegister`` through torch_npu's ``torch.npu.npurt()``. Other
-  devices (xpu) have none: :func:`host_registrar` returns ``None`` and the backend uses the caching path.
+  devices (xpu) have none (:mod:`~swap_core.backends.device_types` says which has which) and the backend uses the
+  caching path.
 * A refused registration raises ``RuntimeError`` and leaves the runtime as it was: CUDA records a
   failed call as the thread's *last error*, which the next kernel launch would raise, so the CUDA
   registrar resets it before raising (:func:`~swap_core.torch_compat.clear_cuda_last_error`).
@@ -46,7 +47,6 @@ __all__ = [
     "HostRegistrar",
     "NpuHostRegistrar",
     "RegistrationDevice",
-    "host_registrar",
     "registered_host_buffer",
 ]
 
@@ -207,20 +207,6 @@ class NpuHostRegistrar:
             return self._npurt()
         except (RuntimeError, AttributeError) as error:
             raise RuntimeError(f"torch_npu's runtime bindings are not available ({error})") from error
-
-
-def host_registrar(device_type: str) -> HostRegistrar | None:
-    """The registrar of ``device_type``'s runtime, or ``None`` where torch (or its extension) exposes none.
-
-    cuda: always (whether the runtime works shows at the first registration). npu: where the loaded
-    torch_npu offers ``torch.npu.npurt()`` (looked up, never imported here). xpu: none.
-    """
-    if device_type == "cuda":
-        return CudaHostRegistrar()
-    if device_type == "npu":
-        npurt = getattr(getattr(torch, "npu", None), "npurt", None)
-        return NpuHostRegistrar(npurt) if callable(npurt) else None
-    return None
 
 
 class _RegisteredMapping(mmap.mmap):
