@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from swap_bench.iteration import IterationModel, IterationRow, documented_models, iteration_table, model_iteration
-from swap_core.optimizer.in_backward import InBackwardStep
-from swap_core.runtime.staging import ArenaStaging, Offloaded
+from swap_core.testing import planted
 
 pytestmark = [pytest.mark.sim_only, pytest.mark.figures]
 
@@ -72,49 +71,25 @@ def test_where_the_link_keeps_up_a_third_staging_buffer_changes_nothing() -> Non
     assert three.in_backward_seconds == pytest.approx(two.in_backward_seconds, rel=1e-3)
 
 
-def test_three_buffers_with_each_copy_in_held_behind_the_copy_out_two_before_break_the_goal(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_three_buffers_with_each_copy_in_held_behind_the_copy_out_two_before_break_the_goal() -> None:
     """Planted: with three arenas, each copy-in also waits for the copy-out of the batch two before it (an extra
     wait, what two arenas need), so the third buffer buys nothing."""
-    walk = ArenaStaging.walk
-
-    def held_two_back(self: ArenaStaging, *args: object, **kwargs: object) -> object:
-        staging_walk = walk(self, *args, **kwargs)  # type: ignore[arg-type]
-        offloads: dict[int, Offloaded] = {}
-        copied_out = staging_walk.copied_out
-
-        def record(position: int, offloaded: Offloaded) -> None:
-            offloads[position] = offloaded
-            copied_out(position, offloaded)
-
-        staging_walk.copied_out = record  # type: ignore[method-assign]
-        staging_walk.before_copy_in = lambda position: offloads.get(position - 2)  # type: ignore[method-assign]
-        return staging_walk
-
-    monkeypatch.setattr(ArenaStaging, "walk", held_two_back)
-    row = model_iteration(WORLD_1_MASTERS_3_STAGED)
+    with planted.copy_ins_wait_for_the_copy_out(batches_before=2):
+        row = model_iteration(WORLD_1_MASTERS_3_STAGED)
     assert row.in_backward_seconds > 1.03 * row.lower_bound_seconds, row
 
 
-def test_an_update_held_back_to_step_breaks_the_goal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_update_held_back_to_step_breaks_the_goal() -> None:
     """Planted: no batch is ever ready inside the backward, so every update waits for its end."""
-    monkeypatch.setattr(InBackwardStep, "_ready", lambda self, params: False)
-    assert _inside_over_unswapped(WORLD_8_4K) > 1.03
+    with planted.updates_held_back_to_step():
+        assert _inside_over_unswapped(WORLD_8_4K) > 1.03
 
 
-def test_a_copy_in_held_behind_the_copy_out_before_it_breaks_the_goal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_in_held_behind_the_copy_out_before_it_breaks_the_goal() -> None:
     """Planted: each batch's copy-in waits for the copy-out of the batch before it (an extra wait in the arena
     walk), so the link never runs both ways at once."""
-    walk = ArenaStaging.walk
-
-    def held_back(self: ArenaStaging, *args: object, **kwargs: object) -> object:
-        staging_walk = walk(self, *args, **kwargs)  # type: ignore[arg-type]
-        staging_walk.needs_memory_of = lambda following, position: True  # type: ignore[method-assign]
-        return staging_walk
-
-    monkeypatch.setattr(ArenaStaging, "walk", held_back)
-    assert _inside_over_unswapped(WORLD_8_4K_MASTERS) > 1.05
+    with planted.copy_ins_issued_after_the_copy_out_before():
+        assert _inside_over_unswapped(WORLD_8_4K_MASTERS) > 1.05
 
 
 def test_the_table_of_the_step_in_backward_page() -> None:

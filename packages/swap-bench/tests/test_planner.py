@@ -22,6 +22,7 @@ from swap_bench.planner import plan_model, recommend
 from swap_bench.report import SCHEMA
 from swap_bench.workloads import OPTIMIZERS, OptimizerSpec
 from swap_core.sim import LinkModel
+from swap_core.testing import planted
 
 pytestmark = pytest.mark.sim_only
 
@@ -340,13 +341,9 @@ def test_a_bad_device_memory_is_an_error_line(text: str) -> None:
     assert exit_info.value.code == 2
 
 
-def test_distributed_muon_plans_once_not_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_distributed_muon_plans_once_not_at_every_step() -> None:
     """Matrices another rank owns keep no state: asked for one at every step, they must not make the plan be built
     again each time (it was: 4 plans for the planner's 2 optimizers of 2 steps each, staging arenas allocated)."""
-    from swap_core.optimizer import plan_cache
-
-    built = []
-    build_plan = plan_cache.build_plan
-    monkeypatch.setattr(plan_cache, "build_plan", lambda *a, **k: built.append(1) or build_plan(*a, **k))
-    plan_model(MODELS["llama-1b"], "muon", world=4, link="pcie4", swap_times=4)
+    with planted.plans_built() as built:
+        plan_model(MODELS["llama-1b"], "muon", world=4, link="pcie4", swap_times=4)
     assert len(built) == 2, f"{len(built)} plans for two optimizers stepped twice each"

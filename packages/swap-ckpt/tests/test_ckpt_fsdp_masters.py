@@ -34,8 +34,8 @@ from ckpt_training import (
 )
 
 from swap_ckpt import AppState, load_checkpoint
+from swap_core.adapters import local_tensor
 from swap_core.master_weights import MASTER_KEY
-from swap_core.runtime import local_tensor
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.distributed import run_distributed
 from swap_core.testing.masters import MasterReference

@@ -287,23 +287,8 @@ def _snapshot_of(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -
 
 
 # -- a retry that finds the memory the failed attempt held given back ----------------------
-_PER_TENSOR_IN_BACKWARD = pytest.param(
-    False,
-    "in_backward",
-    id="in_backward-per_tensor",
-    marks=pytest.mark.xfail(
-        reason="inside the backward the retry covers the plan and the first staging only: the second batch's "
-        "storages restored by the first batch's walk are not retried (the house issue's one retry covers it)",
-        raises=torch.OutOfMemoryError,
-    ),
-)
-
-
-@pytest.mark.parametrize(
-    "packed,step_mode",
-    [(True, "after_backward"), (False, "after_backward"), (True, "in_backward"), _PER_TENSOR_IN_BACKWARD],
-    ids=["after_backward-packed", "after_backward-per_tensor", "in_backward-packed", "in_backward-per_tensor"],
-)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("step_mode", ["after_backward", "in_backward"])
 def test_a_retry_sees_the_memory_the_failed_staging_took_given_back(packed: bool, step_mode: str) -> None:
     """Another allocation leaves room for the first staging arena (or batch) but not for the next: the staging fails
     part-way, and the retry plans with the device memory free before it began (the part staged before the failure

@@ -86,21 +86,34 @@ def test_a_step_that_swaps_nothing_keeps_one_batch_and_no_resident_part() -> Non
 @pytest.fixture
 def residents_planted_last() -> Iterator[None]:
     """The resident update runs after every swapped batch's (where an unordered pipeline could put it)."""
-    run, update_resident = pipeline.PipelineScheduler.run, pipeline.PipelineScheduler.update_resident
+    begin, end, update_resident = (
+        pipeline.PipelineScheduler.begin,
+        pipeline.PipelineScheduler.end,
+        pipeline.PipelineScheduler.update_resident,
+    )
+    held_back: dict[int, tuple[SwapPlan, Any]] = {}
 
-    def run_residents_last(
+    def begin_without_residents(
         self: pipeline.PipelineScheduler, plan: SwapPlan, update: pipeline.UpdateFn, *args: Any, **kwargs: Any
-    ) -> None:
+    ) -> Any:
         resident, plan.resident = plan.resident, None
         try:
-            run(self, plan, update, *args, **kwargs)
+            walk = begin(self, plan, update, *args, **kwargs)
         finally:
             plan.resident = resident
         if resident is not None:
-            update_resident(self, resident, update)
+            held_back[id(walk)] = (plan, update)
+        return walk
+
+    def end_with_residents_last(self: pipeline.PipelineScheduler, walk: Any, *args: Any, **kwargs: Any) -> None:
+        end(self, walk, *args, **kwargs)
+        plan, update = held_back.pop(id(walk), (None, None))
+        if plan is not None and plan.resident is not None:
+            update_resident(self, plan.resident, update)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pipeline.PipelineScheduler, "run", run_residents_last)
+        patch.setattr(pipeline.PipelineScheduler, "begin", begin_without_residents)
+        patch.setattr(pipeline.PipelineScheduler, "end", end_with_residents_last)
         yield
 
 

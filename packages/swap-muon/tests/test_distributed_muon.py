@@ -106,7 +106,7 @@ def _parity_body(rank: int, world_size: int, mesh_shape: tuple[int, ...], use_fu
         assert_bitwise_equal(expected, momentum.full_tensor(), f"{where}: saved momentum {index}")
     # The same exchange through device buffers, as on a device-only backend (NCCL, HCCL), gives the same bytes.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(owner_checkpoint, "_transport", lambda shards: None)
+        patch.setattr(owner_checkpoint, "exchange_device", lambda shards: None)
         staged = opt.state_dict()
         for index, entry in saved["state"].items():
             momentum = staged["state"][index]["momentum_buffer"]

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from swap_core import DeviceBackend, SwapConfig, SwapOptimizer, swap_optimizer
-from swap_core.testing.views import planned_batches
+from swap_core.views import planned_batches
 
 from .link import LinkBandwidth
 from .workloads import OPTIMIZERS, OptimizerSpec, Workload

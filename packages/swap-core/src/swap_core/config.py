@@ -159,11 +159,6 @@ class SwapConfig:
                 f"Invalid SwapConfig.host_memory: {self.host_memory!r}; expected one of {HOST_MEMORY_MODES}"
             )
 
-    @property
-    def walks_in_backward_order(self) -> bool:
-        """Whether the batches are walked in the order a backward finalizes gradients (the last parameters first)."""
-        return self.prefetch == "backward" or self.step == "in_backward"
-
     def _check_in_backward(self) -> None:
         """Refuse what ``step="in_backward"`` does not support yet, naming the setting to change."""
         unsupported = {

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from .adapters.base import StateInit, StateSwapAdapter
+from .dtensor import local_tensor, shard_layout
 from .errors import StateDictMismatchError
 from .master_weights.loading import check_master_shape, master_from_param, unexpected_master
 from .master_weights.params import has_master, stand_in, without_master
-from .runtime.dtensor import local_tensor, shard_layout
 from .runtime.slots import SwapSlot, layout_stride
 from .runtime.state_keys import MASTER_KEY
 from .runtime.store import StateSource, StateStore

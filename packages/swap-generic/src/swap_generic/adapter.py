@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from swap_core.adapters import GroupValues, NarrowedGroups
 from swap_core.adapters.base import StateInit, StateSwapAdapter, UpdateBatch, compare_state, refuse_differentiable
 from swap_core.adapters.registry import AdapterRegistry
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.master_weights import masters_presented, model_param
-from swap_core.runtime import GroupValues, NarrowedGroups
 from swap_core.torch_compat import step_hooks_silenced
 
 from .probe import probe_step

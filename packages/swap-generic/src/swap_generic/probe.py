@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
+from swap_core.adapters import GroupValues, NarrowedGroups, same_value
 from swap_core.errors import UnsupportedOptimizerError
-from swap_core.runtime import GroupValues, NarrowedGroups, same_value
 from swap_core.torch_compat import step_hooks_silenced
 
 from .torch_compat import unhooked_step

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from swap_core.adapters import local_tensor, shard_layout, wrap_local
 from swap_core.errors import StateDictMismatchError
-from swap_core.runtime import local_tensor, shard_layout, wrap_local
 from swap_core.state_dict_loading import saved_param_ids
 
 from .rows import as_bytes, chunk_rows, padded_rows
 from .shard_group import ShardGroup
 
-__all__ = ["MOMENTUM", "gather_owner_momentum", "scatter_owner_momentum"]
+__all__ = ["MOMENTUM", "exchange_device", "gather_owner_momentum", "scatter_owner_momentum"]
 
 MOMENTUM = "momentum_buffer"
 
@@ -59,7 +59,7 @@ def scatter_owner_momentum(
         if owners[position] == shards.rank and MOMENTUM in state.get(ids[id(param)], {})
     }
     everywhere = _union(held, shards)
-    transport = _transport(shards)
+    transport = exchange_device(shards)
     exported: dict[Any, Any] = {}
     for position, param in enumerate(params):
         saved_id = ids[id(param)]
@@ -87,7 +87,7 @@ def gather_owner_momentum(
     state = state_dict["state"]
     local_kinds = [_kind(state.get(ids[id(param)], {}).get(MOMENTUM), param, shards) for param in params]
     kinds = _agreed_kinds(local_kinds, params, ids, shards)
-    transport = _transport(shards)
+    transport = exchange_device(shards)
     imported: dict[Any, Any] = {}
     for position, param in enumerate(params):
         saved_id = ids[id(param)]
@@ -214,7 +214,7 @@ def _ids_by_param(
     return params, {id(param): saved_id for saved_id, param in by_saved_id.items()}
 
 
-def _transport(shards: ShardGroup) -> torch.device | None:
+def exchange_device(shards: ShardGroup) -> torch.device | None:
     """The CPU when the shard group's backend moves host tensors; ``None``: each parameter's device."""
     config = dist.get_backend_config(shards.group)
     if any(part.split(":", 1)[0] == "cpu" for part in config.split(",")) or config == "gloo":

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from swap_core.runtime import align_up
+from swap_core.adapters import align_up
 
 from .rows import as_bytes, chunk_rows
 

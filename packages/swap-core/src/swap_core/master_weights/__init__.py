@@ -27,7 +27,7 @@ from .params import (
     stand_in,
     without_master,
 )
-from .update import OnMasters, masters_presented, on_masters, params_as_masters, update_on_masters
+from .update import OnMasters, UpdateOnMasters, masters_presented, on_masters, params_as_masters
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
@@ -35,6 +35,7 @@ __all__ = [
     "MASTER_KEY",
     "MasterPair",
     "OnMasters",
+    "UpdateOnMasters",
     "has_master",
     "is_fresh",
     "master_problem",
@@ -45,6 +46,5 @@ __all__ = [
     "outside_step_on_masters",
     "params_as_masters",
     "stand_in",
-    "update_on_masters",
     "without_master",
 ]

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from ..adapters.group_values import GroupValues
+from ..adapters.narrowed_groups import NarrowedGroups
+from ..dtensor import wrap_local
 from ..errors import SwapStateError
-from ..runtime.dtensor import wrap_local
-from ..runtime.group_values import GroupValues
-from ..runtime.narrowed_groups import NarrowedGroups
 from ..runtime.slots import SlotState, SwapSlot, transition
 from ..runtime.state_keys import MASTER_KEY
 from ..runtime.tracked_state import TrackedState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from ..runtime.state_keys import MASTER_KEY
 from ..runtime.tracked_state import TrackedState
 from .params import MASTER_DTYPE, MasterPair, has_master, listed_keys, stand_in, without_master
 
-__all__ = ["OnMasters", "masters_presented", "on_masters", "params_as_masters", "update_on_masters"]
+__all__ = ["OnMasters", "UpdateOnMasters", "masters_presented", "on_masters", "params_as_masters"]
 
 
 @dataclasses.dataclass
@@ -89,21 +89,22 @@ def on_masters(
     return OnMasters(update_params, update_grads, update_states, list(params), pairs, copies)
 
 
-def update_on_masters(adapter: StateSwapAdapter) -> Callable[[UpdateBatch], None]:
+class UpdateOnMasters:
     """``adapter``'s update run on the fp32 masters of each batch's bf16/fp16 parameters, which then follow their
     masters (see :func:`on_masters`); the adapter's ``update`` is looked up at each call."""
 
-    def update(batch: UpdateBatch) -> None:
+    def __init__(self, adapter: StateSwapAdapter) -> None:
+        self.adapter = adapter
+
+    def update(self, batch: UpdateBatch) -> None:
         masters = on_masters(batch.params, batch.grads, batch.states)
         try:
-            adapter.update(
+            self.adapter.update(
                 UpdateBatch(batch.group, masters.params, masters.grads, masters.states, batch.batch_index, batch.params)
             )
         finally:
             masters.write_back()
         masters.set_params()
-
-    return update
 
 
 @contextlib.contextmanager

@@ -1,4 +1,6 @@
-"""``swap_times="auto"``: how many batches a plan gets, and what happens when the device runs out of memory."""
+"""How many batches a plan gets, chosen once at wrapping: ``swap_times``'s number (:class:`FixedBatchCount`), or
+``swap_times="auto"``'s fewest that fit the device memory, raised after an out-of-memory while staging
+(:class:`AutoBatchCount`)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,39 @@ from ..runtime.auto_batches import AUTO_NEEDS_MEMORY, fewest_batches_that_fit
 from ..runtime.plan import SwapPlan
 from ..user_warnings import warn_user
 
-__all__ = ["AutoBatching"]
+__all__ = ["AutoBatchCount", "BatchCount", "FixedBatchCount"]
 
 _LOG = logging.getLogger("swap_core")
 
 
-class AutoBatching:
+class FixedBatchCount:
+    """``swap_times`` batches, every plan; an out-of-memory is the step's error (nothing to retry with)."""
+
+    available: int | None = None
+    """Not measured: ``None``."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    @property
+    def replans_after_out_of_memory(self) -> bool:
+        return False
+
+    def batches(self, staging_of: Callable[[int], int], most: int, *, agree: Callable[[int], int] | None) -> int:
+        """``swap_times``."""
+        return self.count
+
+    def log(self, plan: SwapPlan) -> None:
+        """Nothing: the count is the user's."""
+
+    def retry_after(
+        self, error: torch.OutOfMemoryError, *, updates_begun: int, retried: bool, last: SwapPlan | None
+    ) -> bool:
+        """Never."""
+        return False
+
+
+class AutoBatchCount:
     """The choices of ``swap_times="auto"`` for one optimizer: the fewest batches that fit, raised after an
     out-of-memory while staging (see :mod:`~swap_core.runtime.auto_batches`)."""
 
@@ -34,7 +63,29 @@ class AutoBatching:
         """The batches of the last plan chosen and the most it could choose; ``None`` where no retry may run."""
         self._logged: tuple[int, int | None] | None = None
 
-    def choose(self, staging_of: Callable[[int], int], most: int) -> int:
+    def batches(self, staging_of: Callable[[int], int], most: int, *, agree: Callable[[int], int] | None) -> int:
+        """The fewest batches (of at most ``most``, one parameter each) whose staging (``staging_of(count)``) fits;
+        ``agree``: where every rank walks the same batches, the count that fits every rank (from this rank's), and
+        no rank retries alone."""
+        fits_nowhere: DeviceMemoryError | None = None
+        try:
+            count = self._choose(staging_of, most)
+        except DeviceMemoryError as error:
+            if agree is None:
+                raise
+            fits_nowhere, count = error, most + 1  # the others must learn it, not wait for this rank
+        if agree is not None:
+            count = agree(count)
+            if count > most:
+                raise fits_nowhere or DeviceMemoryError(
+                    "swap_times='auto': another rank's device cannot stage even one parameter per batch "
+                    "(its error names the bytes); every rank stops before anything changes"
+                )
+        # A rank cannot retry alone with more batches where every rank must walk the same ones.
+        self._tried = (count, most) if agree is None else None
+        return count
+
+    def _choose(self, staging_of: Callable[[int], int], most: int) -> int:
         """The fewest batches whose staging (``staging_of(count)``) fits the device memory available now (the plan
         it replaces was dropped when the state changed: its staging is free already)."""
         available = self.backend.available_device_bytes()
@@ -51,12 +102,6 @@ class AutoBatching:
             staging_buffers=config.staging_buffers,
         )
 
-    def chose(self, count: int, most: int, *, may_retry: bool) -> None:
-        """The plan about to be built has ``count`` batches (of at most ``most``). ``may_retry``: a rank may re-plan
-        alone after an out-of-memory while building or running it (not where every rank must walk the same
-        batches)."""
-        self._tried = (count, most) if may_retry else None
-
     def log(self, plan: SwapPlan) -> None:
         """One log line per new choice: batches, staging bytes, device memory available."""
         choice = (len(plan.batches), self.available)
@@ -71,11 +116,25 @@ class AutoBatching:
                 self.config.device_memory_fraction,
             )
 
-    def more_batches_after(self, error: torch.OutOfMemoryError, batches_updated: int) -> bool:
-        """An out-of-memory before any batch updated anything (the staging did not fit): plan twice the batches from
-        now on and say so; ``True`` when the step may run again."""
+    @property
+    def replans_after_out_of_memory(self) -> bool:
+        return True
+
+    def retry_after(
+        self, error: torch.OutOfMemoryError, *, updates_begun: int, retried: bool, last: SwapPlan | None
+    ) -> bool:
+        """After an out-of-memory: whether the step may run again over a plan with twice the batches (before any
+        update began, once); a second one raises :class:`~swap_core.errors.DeviceMemoryError` (``last``: the plan
+        that ran out)."""
+        if retried:
+            raise self._still_out_of_memory(error, last) from error
+        return self._more_batches_after(error, updates_begun)
+
+    def _more_batches_after(self, error: torch.OutOfMemoryError, updates_begun: int) -> bool:
+        """An out-of-memory before any update began (the staging did not fit): plan twice the batches from now on
+        and say so; ``True`` when the step may run again."""
         tried = self._tried
-        if batches_updated or tried is None:
+        if updates_begun or tried is None:
             return False
         batches, most = tried
         if batches >= most:
@@ -88,7 +147,7 @@ class AutoBatching:
         )
         return True
 
-    def still_out_of_memory(self, error: torch.OutOfMemoryError, plan: SwapPlan | None) -> DeviceMemoryError:
+    def _still_out_of_memory(self, error: torch.OutOfMemoryError, plan: SwapPlan | None) -> DeviceMemoryError:
         """The error of a step whose retry with twice the batches ran out of device memory too (nothing updated)."""
         staging = f"{plan.peak_staging_bytes} bytes of staging" if plan is not None else "its staging"
         return DeviceMemoryError(
@@ -97,3 +156,14 @@ class AutoBatching:
             "device memory, lower device_memory_fraction (more margin for the rest of the step), keep fewer states "
             "on the device (offload_fraction=1.0, a larger min_numel), or set swap_times to a larger number"
         )
+
+
+BatchCount = FixedBatchCount | AutoBatchCount
+"""How a plan's batches are counted (chosen once at wrapping, :func:`batch_count`)."""
+
+
+def batch_count(config: SwapConfig, backend: DeviceBackend) -> BatchCount:
+    """The batch count ``config.swap_times`` asks for."""
+    if config.swap_times == "auto":
+        return AutoBatchCount(config, backend)
+    return FixedBatchCount(config.swap_times)

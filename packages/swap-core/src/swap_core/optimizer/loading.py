@@ -57,7 +57,7 @@ def load_state_dict(
     """:meth:`SwapOptimizer.load_state_dict` of ``wrapper`` over ``optimizer``: the load hooks run once, given
     ``wrapper``, on every path; ``sync`` is ``None`` when nothing is swapped."""
     if sync is not None:
-        sync.scheduler.synchronize()
+        sync.await_offloads()
     # The wrapped optimizer's own load_state_dict (CPU parameters, or a class with its own) would run the same
     # (shared) hooks given itself: set aside while it runs.
     state_dict = state_dict.copy() if isinstance(state_dict, dict) else dict(state_dict)
@@ -76,14 +76,14 @@ def load_state_dict(
                 optimizer.load_state_dict(dict(adapter.import_state_dict(state_dict)))
             sync.follow_edits(sync.ordered_params())
             if sync.master_weights:
-                make_masters_of_existing_states(sync, PLAIN_CHECKPOINT)
+                make_masters_of_existing_states(sync, adapter, PLAIN_CHECKPOINT)
         else:
-            _load_swapped(sync, state_dict)
+            _load_swapped(sync, adapter, state_dict)
     for post_hook in post_hooks.values():
         post_hook(wrapper)
 
 
-def make_masters_of_existing_states(sync: StateSync, warning: str) -> None:
+def make_masters_of_existing_states(sync: StateSync, adapter: StateSwapAdapter, warning: str) -> None:
     """States without masters (made before wrapping, or loaded by the optimizer's own method): masters from params.
 
     An optimizer stepped before wrapping, or one whose constructor makes states (Adagrad's ``sum``),
@@ -102,17 +102,19 @@ def make_masters_of_existing_states(sync: StateSync, warning: str) -> None:
         return
     with hook_registries_set_aside(sync.optimizer, STATE_DICT_HOOKS):
         plain = torch.optim.Optimizer.state_dict(sync.optimizer)
-    _load_swapped(sync, plain, warn_of_made_masters=False)
+    _load_swapped(sync, adapter, plain, warn_of_made_masters=False)
     warn_user(warning.format(count=len(lacking), name=type(sync.optimizer).__name__), UserWarning)
 
 
-def _load_swapped(sync: StateSync, state_dict: Mapping[str, Any], *, warn_of_made_masters: bool = True) -> None:
+def _load_swapped(
+    sync: StateSync, adapter: StateSwapAdapter, state_dict: Mapping[str, Any], *, warn_of_made_masters: bool = True
+) -> None:
     """Stage ``state_dict`` in host memory, checked completely, then commit it (the swapped path)."""
     ordered = sync.ordered_params()
     sync.follow_edits(ordered)
-    state_dict = sync.adapter.import_state_dict(state_dict)
+    state_dict = adapter.import_state_dict(state_dict)
     store = sync.new_store()
-    staged = load_swapped_state(sync.param_groups, sync.adapter, store, state_dict, master_weights=sync.master_weights)
+    staged = load_swapped_state(sync.param_groups, adapter, store, state_dict, master_weights=sync.master_weights)
     groups, state, loaded = staged.param_groups, staged.state, staged.swapped
     if staged.masters_from_params and warn_of_made_masters:
         warn_user(PLAIN_CHECKPOINT.format(count=staged.masters_from_params), UserWarning)

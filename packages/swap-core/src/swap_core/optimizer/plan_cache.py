@@ -6,24 +6,21 @@ import dataclasses
 
 import torch
 
-from ..errors import DeviceMemoryError, SwapStateError
+from ..errors import SwapStateError
 from ..runtime.plan import Partition, SwapPlan, build_plan, staging_bytes
-from .auto_batching import AutoBatching
-from .state_creation import StateCreation
+from .setup import SwapSetup
 from .state_sync import StateSync
 
 __all__ = ["PlanCache"]
 
 
 class PlanCache:
-    """Builds the plan from what :class:`StateSync` holds, checking every state first, and keeps it while nothing
-    it is bound to changes."""
+    """Builds the plan from what :class:`StateSync` holds, after following the user's edits and checking every state,
+    and keeps it while nothing it is bound to changes."""
 
-    def __init__(self, sync: StateSync, creation: StateCreation, auto: AutoBatching | None) -> None:
+    def __init__(self, setup: SwapSetup, sync: StateSync) -> None:
+        self.setup = setup
         self.sync = sync
-        self.creation = creation
-        self.auto = auto
-        """``swap_times="auto"``'s choices, or ``None`` with a fixed ``swap_times``."""
         self.resident_bytes = 0
         """Device bytes of the states that stay on the device, as of the last plan built."""
         self._plan: SwapPlan | None = None
@@ -51,67 +48,52 @@ class PlanCache:
         return self.is_current() and self._plan is not None and self._plan.all_states_exist
 
     def current(self) -> SwapPlan:
-        """The plan for the state as it is now; a state the update cannot use fails here, before any batch runs."""
+        """The plan for the state as it is now, the user's edits followed first; a state the update cannot use fails
+        here, before any batch runs."""
+        sync = self.sync
+        sync.follow_edits(sync.ordered_params())
         if self.is_current():
             assert self._plan is not None
             return self._plan
-        sync = self.sync
-        generation, store, config, adapter = sync.generation, sync.store, sync.config, sync.adapter
+        generation, store, setup = sync.generation, sync.store, self.setup
         params = sync.ordered_params_with_groups()
         sync.check_states(params, SwapStateError)
-        costs = adapter.partition_costs([param for _, param in params])
+        costs = setup.adapter.partition_costs([param for _, param in params])
         rank_independent = costs is not None
         if costs is None:
-            costs = self.creation.partition_costs(store, [param for _, param in params])
-        swap_times = config.swap_times
+            costs = setup.creation.partition_costs(sync, [param for _, param in params])
+        shape = setup.plan_shape
         partition = Partition(
-            num_batches=1 if swap_times == "auto" else swap_times,
-            max_batch_bytes=config.max_batch_bytes,
+            num_batches=1,
+            max_batch_bytes=shape.max_batch_bytes,
             costs=costs,
             state=sync.state,
-            # Inside the backward every parameter updates with its batch, once its gradient is final.
-            resident_first=not rank_independent and config.step != "in_backward",
-            reverse=config.walks_in_backward_order,
-            staging_buffers=config.staging_buffers,
+            # Adapter costs are rank-independent: every rank walks the same batches, and residency is per rank.
+            resident_first=shape.resident_first and not rank_independent,
+            reverse=shape.reverse,
+            staging_buffers=shape.staging_buffers,
         )
-        if self.auto is not None:
-            count = self._auto_count(self.auto, params, partition, rank_independent=rank_independent)
-            partition = dataclasses.replace(partition, num_batches=count)
-        self._plan = build_plan(store, sync.backend, params, partition, walk_every_batch=rank_independent)
-        if self.auto is not None:
-            self.auto.log(self._plan)
+        batches = setup.batch_count.batches(
+            lambda count: staging_bytes(store, params, dataclasses.replace(partition, num_batches=count)),
+            len(params),
+            agree=setup.adapter.agree_on_batches if rank_independent else None,
+        )
+        partition = dataclasses.replace(partition, num_batches=batches)
+        self._plan = build_plan(
+            store, setup.backend, params, partition, walk_every_batch=rank_independent, keep_staging=shape.keep_staging
+        )
+        setup.batch_count.log(self._plan)
         self._generation = generation
         self.resident_bytes = store.resident_bytes(param for _, param in params)
         return self._plan
 
-    def _auto_count(
-        self,
-        auto: AutoBatching,
-        params: list[tuple[int, torch.Tensor]],
-        partition: Partition,
-        *,
-        rank_independent: bool,
-    ) -> int:
-        """``swap_times="auto"``: the batches of the plan about to be built (every rank's count where every rank
-        walks the same batches)."""
-        store = self.sync.store
-        fits_nowhere: DeviceMemoryError | None = None
-        try:
-            count = auto.choose(
-                lambda count: staging_bytes(store, params, dataclasses.replace(partition, num_batches=count)),
-                len(params),
-            )
-        except DeviceMemoryError as error:
-            if not rank_independent:
-                raise
-            fits_nowhere, count = error, len(params) + 1  # the others must learn it, not wait for this rank
-        if rank_independent:  # every rank walks the same batches: the count that fits every rank
-            count = self.sync.adapter.agree_on_batches(count)
-            if count > len(params):
-                raise fits_nowhere or DeviceMemoryError(
-                    "swap_times='auto': another rank's device cannot stage even one parameter per batch "
-                    "(its error names the bytes); every rank stops before anything changes"
-                )
-        # A rank cannot retry alone with more batches where every rank must walk the same ones.
-        auto.chose(count, len(params), may_retry=not rank_independent)
-        return count
+    def retry_after(self, error: BaseException, *, updates_begun: int, retried: bool) -> bool:
+        """A step failed with ``error``: whether it may run again, over a plan made afresh (with ``swap_times="auto"``,
+        twice the batches after an out-of-memory before any update began); a second out-of-memory raises
+        :class:`~swap_core.errors.DeviceMemoryError`."""
+        if not isinstance(error, torch.OutOfMemoryError):
+            return False
+        if not self.setup.batch_count.retry_after(error, updates_begun=updates_begun, retried=retried, last=self._plan):
+            return False
+        self.drop()
+        return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..backward_prefetch import BackwardPrefetch
 from .plan_cache import PlanCache
-from .state_sync import StateSync
+from .setup import SwapSetup
 
 __all__ = ["Prefetching"]
 
@@ -13,36 +13,35 @@ __all__ = ["Prefetching"]
 class Prefetching:
     """Issues the first batch's copy-in of the next step; with ``from_backward``, arms the backward to issue it."""
 
-    def __init__(self, owner: object, sync: StateSync, plans: PlanCache, *, from_backward: bool) -> None:
+    def __init__(self, owner: object, setup: SwapSetup, plans: PlanCache, *, from_backward: bool) -> None:
         """The backward's hooks go when ``owner`` (the optimizer) is collected."""
-        self.sync = sync
+        self.setup = setup
         self.plans = plans
         self._backward = BackwardPrefetch(owner, self._from_backward) if from_backward else None
         self.arm(after_step=False)  # states loaded or deep-copied: the first backward prefetches
 
     @property
     def prefetched(self) -> bool:
-        return self.sync.scheduler.prefetched
+        return self.setup.scheduler.prefetched
 
     def prefetch(self) -> None:
         """:meth:`SwapOptimizer.prefetch`: idempotent, nothing while the first batch has no state to copy."""
-        sync = self.sync
-        if sync.scheduler.prefetched:
+        scheduler = self.setup.scheduler
+        if scheduler.prefetched:
             return
-        with sync.scheduler.working():
-            sync.follow_edits(sync.ordered_params())
+        with scheduler.working():
             plan = self.plans.current()
             if not plan.batches or not plan.batches[0].slots:  # nothing to copy in yet: the first step makes the states
                 return
-            sync.backend.start_transfer_window()
-            sync.scheduler.prefetch(plan)
+            self.setup.backend.start_transfer_window()
+            scheduler.prefetch(plan)
 
     def _from_backward(self) -> None:
         """:meth:`prefetch` from a gradient hook: on the stream the steps run on, whatever stream the hook runs under
         (FSDP2 runs post-accumulate-grad hooks under its post-reduce stream: staging allocated there would belong
         to that stream's pool, and the copy-in, ordered after the step's stream only, could overwrite a block the
         reduce-scatter still reads)."""
-        with self.sync.backend.stream(self.sync.scheduler.compute):
+        with self.setup.backend.stream(self.setup.scheduler.compute):
             self.prefetch()
 
     def arm(self, *, after_step: bool) -> None:

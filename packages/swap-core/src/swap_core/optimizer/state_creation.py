@@ -14,11 +14,10 @@ from typing import Any
 import torch
 
 from ..adapters.base import StateInit, StateSwapAdapter
+from ..dtensor import local_tensor
 from ..master_weights.params import has_master
-from ..runtime.dtensor import local_tensor
 from ..runtime.plan import SwapPlan
 from ..runtime.state_keys import is_fresh
-from ..runtime.store import StateStore
 from .state_sync import StateSync
 
 __all__ = ["StateCreation", "StatesBeforeTheStep", "StatesMadeByTheUpdate", "state_creation"]
@@ -30,20 +29,19 @@ ParamsWithGrad = Callable[[], list[tuple[int, torch.Tensor]]]
 class StatesBeforeTheStep:
     """Missing states made from the adapter's ``initial_state`` before any batch runs."""
 
-    def __init__(self, sync: StateSync) -> None:
-        self.sync = sync
+    def __init__(self, adapter: StateSwapAdapter) -> None:
+        self.adapter = adapter
 
-    def before_journal(self, ordered: list[torch.Tensor]) -> None:
+    def before_journal(self, sync: StateSync, ordered: list[torch.Tensor]) -> None:
         """Nothing is left unpacked by an earlier step."""
 
-    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> list[torch.Tensor]:
+    def make_missing(self, sync: StateSync, complete: bool, params_with_grad: ParamsWithGrad) -> list[torch.Tensor]:
         """Every missing state of the parameters with a gradient (masters included), unless ``complete``; the
         parameters it made states for."""
         if complete:
             return []
-        sync = self.sync
         asked = [
-            (param, sync.adapter.initial_state(sync.as_updated(param), sync.param_groups[group_index]))
+            (param, self.adapter.initial_state(sync.as_updated(param), sync.param_groups[group_index]))
             for group_index, param in params_with_grad()
             if not sync.state[param]
         ]
@@ -53,11 +51,13 @@ class StatesBeforeTheStep:
         sync.create_states(fresh)
         return [param for param, _ in fresh]
 
-    def partition_costs(self, store: StateStore, params: list[torch.Tensor]) -> list[int] | None:
+    def partition_costs(self, sync: StateSync, params: list[torch.Tensor]) -> list[int] | None:
         """Every state exists when the plan is made: the swapped bytes balance the batches."""
         return None
 
-    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> set[int] | None:
+    def before_batches(
+        self, sync: StateSync, plan: SwapPlan, params_with_grad: ParamsWithGrad, *, reverse: bool
+    ) -> set[int] | None:
         """The states exist, in host memory already: nothing for :meth:`after_run` to put in order."""
         return None
 
@@ -65,10 +65,10 @@ class StatesBeforeTheStep:
         """No batch makes a state."""
         return []
 
-    def missing_state(self, param: torch.Tensor) -> dict[str, Any]:
+    def missing_state(self, sync: StateSync, param: torch.Tensor) -> dict[str, Any]:
         raise AssertionError("states of parameters with a gradient exist before the pipeline")
 
-    def after_run(self, ordered: list[torch.Tensor], entries_before: set[int] | None) -> None:
+    def after_run(self, sync: StateSync, ordered: list[torch.Tensor], entries_before: set[int] | None) -> None:
         """Nothing to pack or to put in order."""
 
 
@@ -76,17 +76,13 @@ class StatesMadeByTheUpdate:
     """States the optimizer's own step makes on the device, batch by batch: each batch's go to host memory before
     the next batch makes its own, and they are packed after the step."""
 
-    def __init__(self, sync: StateSync) -> None:
-        self.sync = sync
-
-    def before_journal(self, ordered: list[torch.Tensor]) -> None:
+    def before_journal(self, sync: StateSync, ordered: list[torch.Tensor]) -> None:
         """Pack those a failed step left unpacked."""
-        self.sync.pack_fresh_states(ordered)
+        sync.pack_fresh_states(ordered)
 
-    def make_missing(self, complete: bool, params_with_grad: ParamsWithGrad) -> list[torch.Tensor]:
+    def make_missing(self, sync: StateSync, complete: bool, params_with_grad: ParamsWithGrad) -> list[torch.Tensor]:
         """With master weights, the masters, which the update runs on, come first; the states are the update's. The
         parameters it made masters for."""
-        sync = self.sync
         if complete or not sync.master_weights:
             return []
         empty: dict[str, torch.Tensor | StateInit] = {}
@@ -94,13 +90,13 @@ class StatesMadeByTheUpdate:
         sync.create_states(fresh)
         return [param for param, _ in fresh]
 
-    def partition_costs(self, store: StateStore, params: list[torch.Tensor]) -> list[int] | None:
+    def partition_costs(self, sync: StateSync, params: list[torch.Tensor]) -> list[int] | None:
         """Batching costs while some states are still to be made by the update, or ``None`` once none is.
 
         A state not made yet has no size: the parameter's own bytes stand in for it, so that the first step
         spreads the fresh states over ``swap_times`` batches as later steps spread them.
         """
-        state = self.sync.state
+        state, store = sync.state, sync.store
         if all(state.get(param) for param in params):
             return None
         costs = []
@@ -115,30 +111,30 @@ class StatesMadeByTheUpdate:
                 costs.append(local.numel() * local.element_size())
         return costs
 
-    def before_batches(self, plan: SwapPlan, params_with_grad: ParamsWithGrad) -> set[int] | None:
+    def before_batches(
+        self, sync: StateSync, plan: SwapPlan, params_with_grad: ParamsWithGrad, *, reverse: bool
+    ) -> set[int] | None:
         """Refuse, before any batch updates anything, states the host could not take; the ids of the entries of
-        ``state`` when batches walked in reverse (``prefetch="backward"``) may create states out of parameter
+        ``state`` when batches walked in ``reverse`` (``prefetch="backward"``) may create states out of parameter
         order, for :meth:`after_run` to put them back in torch's order."""
         if plan.all_states_exist:
             return None
-        sync = self.sync
         sync.check_room_for_states_the_update_creates(params_with_grad())
-        return set(map(id, sync.state)) if sync.config.walks_in_backward_order else None
+        return set(map(id, sync.state)) if reverse else None
 
     def fresh(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
         """The parameters of a batch segment whose states its update is about to make."""
         return [param for param, state in zip(params, states, strict=True) if is_fresh(state)]
 
-    def missing_state(self, param: torch.Tensor) -> dict[str, Any]:
+    def missing_state(self, sync: StateSync, param: torch.Tensor) -> dict[str, Any]:
         """The entry of ``param``, or an empty dict: the optimizer's own step creates the entry if it keeps a state
         (plain SGD keeps none, and its ``state`` stays empty as torch's does)."""
-        entry: dict[str, Any] = self.sync.state.get(param, {})
+        entry: dict[str, Any] = sync.state.get(param, {})
         return entry
 
-    def after_run(self, ordered: list[torch.Tensor], entries_before: set[int] | None) -> None:
+    def after_run(self, sync: StateSync, ordered: list[torch.Tensor], entries_before: set[int] | None) -> None:
         """Put the entries the batches made in parameter order (where they were walked in reverse), and pack the
         host buffers their swapped states were given."""
-        sync = self.sync
         if entries_before is not None:
             sync.tracked.move_to_end(
                 param for param in ordered if id(param) not in entries_before and param in sync.state
@@ -149,6 +145,6 @@ class StatesMadeByTheUpdate:
 StateCreation = StatesBeforeTheStep | StatesMadeByTheUpdate
 
 
-def state_creation(adapter: StateSwapAdapter, sync: StateSync) -> StateCreation:
-    """The way ``adapter``'s optimizer gets its states, chosen once."""
-    return StatesMadeByTheUpdate(sync) if adapter.lazy_states else StatesBeforeTheStep(sync)
+def state_creation(adapter: StateSwapAdapter) -> StateCreation:
+    """The way ``adapter``'s optimizer gets its states, chosen once (each method is given the state it works on)."""
+    return StatesMadeByTheUpdate() if adapter.lazy_states else StatesBeforeTheStep(adapter)

@@ -19,13 +19,12 @@ import torch
 from ..adapters.base import StateInit, StateSwapAdapter
 from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
-from ..config import SwapConfig
+from ..dtensor import local_tensor
 from ..master_weights.params import has_master
-from ..runtime.dtensor import local_tensor
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.slots import SwapSlot
 from ..runtime.state_keys import MASTER_KEY, is_fresh
-from ..runtime.store import StateSource, StateStore
+from ..runtime.store import StateSource, StateStore, StoreOptions
 from ..runtime.tracked_state import TrackedState
 from .wrapping import (
     as_updated,
@@ -34,7 +33,6 @@ from .wrapping import (
     check_states,
     ordered_params,
     ordered_params_with_groups,
-    swap_keys,
 )
 
 __all__ = ["NO_ENTRY", "StateSync"]
@@ -56,14 +54,19 @@ class StateSync:
         self,
         optimizer: torch.optim.Optimizer,
         adapter: StateSwapAdapter,
-        config: SwapConfig,
         scheduler: PipelineScheduler,
+        store_options: StoreOptions,
+        *,
+        master_weights: bool,
     ) -> None:
-        """Follows ``optimizer`` for ``adapter`` with ``config``; its states move through ``scheduler``'s backend."""
-        self.optimizer, self.adapter, self.config = optimizer, adapter, config
-        self.scheduler = scheduler
-        self.backend: DeviceBackend = scheduler.backend
-        self.master_weights = config.master_weights
+        """Follows ``optimizer`` for ``adapter``; its states move through ``scheduler``'s backend, in host memory laid
+        out as ``store_options`` says."""
+        self.optimizer = optimizer
+        self._adapter = adapter
+        self._scheduler = scheduler
+        self._backend: DeviceBackend = scheduler.backend
+        self._store_options = store_options
+        self.master_weights = master_weights
         self.generation = 0
         """Moves whenever the store, its slots, the parameters or the entries bound to a plan change."""
         self._store: StateStore | None = None
@@ -79,6 +82,10 @@ class StateSync:
         self._adopt_params()
         self.adopt_state()  # existing states move to host memory (may find the host too small)
         self._layout = _layout(self.param_groups, self.ordered_params())
+
+    def await_offloads(self) -> None:
+        """Block until every copy into or out of the host mirrors finished (the host may read and write them)."""
+        self._scheduler.synchronize()
 
     def changed(self) -> None:
         """Something the plan is bound to changed: the next plan is built afresh, and what holds the old one drops
@@ -129,7 +136,7 @@ class StateSync:
         layout_changed = layout != self._layout
         if layout_changed:
             check_distinct_params(self.param_groups)
-            select_backend(self.backend, ordered)
+            select_backend(self._backend, ordered)
             self._params_changed()
             self._layout = layout
         if self.optimizer.state is not self._tracked:
@@ -151,14 +158,14 @@ class StateSync:
     def _params_changed(self) -> None:
         ordered = self.ordered_params()
         if self.master_weights:
-            check_master_weights_supported(self.optimizer, self.adapter, ordered)
-        self.adapter.params_changed(ordered)  # may refuse: nothing has changed yet
+            check_master_weights_supported(self.optimizer, self._adapter, ordered)
+        self._adapter.params_changed(ordered)  # may refuse: nothing has changed yet
         self.changed()
         self._adopt_params()
 
     def _adopt_params(self) -> None:
         for param in self.ordered_params():
-            self.backend.adopt(local_tensor(param))
+            self._backend.adopt(local_tensor(param))
 
     def _mirrors_in_place(self) -> bool:
         """Whether every swapped state's entry in ``state`` still is its host mirror."""
@@ -194,7 +201,7 @@ class StateSync:
     def track(self, state: TrackedState) -> None:
         """``state`` is the optimizer's from now on: a read of it from outside the optimizer's work first waits for
         the copies in flight (a user's edit in place between steps must not be overwritten by a copy landing)."""
-        state.before_access = self.scheduler.settle_for_host
+        state.before_access = self._scheduler.settle_for_host
         self._tracked = state
         self._seen_state_version = state.version
 
@@ -205,7 +212,7 @@ class StateSync:
         (freeing pinned memory a copy still writes would let the copy write into memory given to others).
         """
         if self._store is not None:
-            self.scheduler.synchronize()
+            self._scheduler.synchronize()
         self._store = store
         self._mirror_check = None
         self.changed()
@@ -240,7 +247,7 @@ class StateSync:
         """:func:`check_states` of the wrapped optimizer's states."""
         check_states(
             self.optimizer,
-            self.adapter,
+            self._adapter,
             params,
             error,
             master_weights=self.master_weights,
@@ -255,7 +262,7 @@ class StateSync:
             (param, key, template)
             for group_index, param in params_with_grad
             if is_fresh(self.state.get(param) or {})
-            for key, template in self.adapter.expected_states(
+            for key, template in self._adapter.expected_states(
                 self.as_updated(param), self.param_groups[group_index]
             ).items()
         ]
@@ -321,23 +328,18 @@ class StateSync:
     def pack_fresh_states(self, ordered: list[torch.Tensor]) -> None:
         """Pack the host buffers of states created during a step (given buffers of their own meanwhile)."""
         if self.store.has_unpacked:
-            self.scheduler.synchronize()  # the re-layout reads every host mirror: offloads must be done
+            self._scheduler.synchronize()  # the re-layout reads every host mirror: offloads must be done
             self.store.pack(ordered)
             self.changed()
 
     def new_store(self) -> StateStore:
         """An empty store for this optimizer's states, laid out as the config says."""
         return StateStore(
-            self.backend,
+            self._backend,
             self.state,
-            swap_keys=swap_keys(self.optimizer, self.adapter, self.config),
-            min_numel=self.config.min_numel,
-            # Where host memory is the device's (CPU parameters in master-weights mode) nothing stays resident.
-            offload_fraction=0.0 if self.backend.host_is_device else self.config.offload_fraction,
-            packed=self.config.packed,
-            copy_stream=self.scheduler.d2h,
-            await_offloads=self.scheduler.synchronize,
-            host_memory=self.config.host_memory,
+            self._store_options,
+            copy_stream=self._scheduler.d2h,
+            await_offloads=self._scheduler.synchronize,
         )
 
     def commit_load(self, store: StateStore, state: TrackedState, ordered: list[torch.Tensor]) -> None:
@@ -353,9 +355,9 @@ class StateSync:
         torch's caching host allocator: give them back once per layout, after the step that dropped the last
         references to them (its plan and any prefetch), so the process pins its layout once, not twice."""
         layout = self.store.layout_id
-        if self.config.host_memory == "caching" and layout != self._host_cache_emptied_at:
+        if self._store_options.host_memory == "caching" and layout != self._host_cache_emptied_at:
             self._mirror_check = None  # it may hold the replaced mirrors (it is rebuilt for a new layout anyway)
-            self.backend.empty_host_cache()
+            self._backend.empty_host_cache()
             self._host_cache_emptied_at = layout
 
 

@@ -1,11 +1,10 @@
 """``SwapOptimizer``: a torch optimizer whose states live in host memory between steps.
 
-The torch face only: construction, ``step()`` (follow, create, plan, run, finish), prefetch, state dicts,
-param groups and copies. What the runtime knows of the wrapped optimizer's state is
-:class:`~swap_core.optimizer.state_sync.StateSync`'s business, the plan
-:class:`~swap_core.optimizer.plan_cache.PlanCache`'s, one step's work
-:class:`~swap_core.optimizer.step_run.StepRun`'s, how states move the
-:class:`~swap_core.runtime.pipeline.PipelineScheduler`'s, and how a batch is updated the adapter's.
+The torch face only: construction, ``step()``, prefetch, state dicts, param groups and copies. Each asks what the
+optimizer swaps with (:mod:`~swap_core.optimizer.swapping`: made once at wrapping, nothing for CPU parameters): the
+modes decided into a :class:`~swap_core.optimizer.setup.SwapSetup`, the followed state
+(:class:`~swap_core.optimizer.state_sync.StateSync`), the plans (:class:`~swap_core.optimizer.plan_cache.PlanCache`)
+and the step driver chosen for ``SwapConfig.step`` (:mod:`~swap_core.optimizer.step_driver`).
 """
 
 from __future__ import annotations
@@ -22,24 +21,16 @@ import torch
 
 from ..adapters.base import AdapterFactory, StateSwapAdapter
 from ..backend_selection import select_backend
-from ..backends.protocol import DeviceBackend, ModeledTimes
+from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
-from ..master_weights.outside_step import outside_step_on_masters
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
 from ..stats import SwapStats
-from ..torch_compat import (
-    note_step_for_lr_schedulers,
-    share_amp_scaling_support,
-    share_hook_registries,
-    step_hooks_silenced,
-)
+from ..torch_compat import note_step_for_lr_schedulers, share_amp_scaling_support, share_hook_registries
 from ..trace import StepTrace
-from .in_backward import check_in_backward_supported
-from .loading import load_state_dict
 from .outside_step import check_outside_step_methods, offer_outside_step_methods
-from .swapping import Swapping
+from .swapping import NothingSwapped, Swapped, start_swapping
 from .wrapping import (
     WRAPPERS,
     check_arguments,
@@ -104,16 +95,9 @@ class SwapOptimizer(torch.optim.Optimizer):
             config.backend, ordered_params(optimizer.param_groups), master_weights=config.master_weights
         )
         check_wrapped_state(optimizer, self.adapter, config, self.backend)
-        if config.step == "in_backward" and self.backend is not None:
-            check_in_backward_supported(self.adapter, ordered_params(optimizer.param_groups))
         self.stats = SwapStats()
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
-        # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them (or, stepping
-        # inside the backward, refuses them: the batches updated before GradScaler could unscale or skip).
-        share_amp_scaling_support(self, optimizer, always=config.step == "in_backward" and self.backend is not None)
-        self._swapping: Swapping | None = None
-        """The runtime, where anything is swapped (``None``: CPU parameters, the wrapped optimizer steps alone)."""
         original_state = optimizer.state
         try:
             self._share_hooks()
@@ -121,13 +105,17 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.register_state_dict_pre_hook(synchronized(self), prepend=True)
             # First post-hook: user hooks see the checkpoint form of the state dict.
             self.register_state_dict_post_hook(exported(self.adapter), prepend=True)
-            if self.backend is not None:
-                self._swapping = Swapping.start(self, optimizer, self.adapter, config, self.backend)
+            self._swapping: Swapped | NothingSwapped = start_swapping(
+                self, optimizer, self.adapter, config, self.backend
+            )
         except BaseException:
             # The wrapped optimizer is left as it was: its own state mapping, none of swap's hooks.
             optimizer.state = original_state
             remove_swap_hooks(optimizer)
             raise
+        # GradScaler hands fused optimizers grad_scale/found_inf as attributes; step() forwards them (or, where the
+        # step driver claims them, refuses them: the batches updated before GradScaler could unscale or skip).
+        share_amp_scaling_support(self, optimizer, always=self._swapping.claims_amp_scaling)
         WRAPPERS[optimizer] = weakref.ref(self)
         offer_outside_step_methods(self, self.adapter)
 
@@ -147,15 +135,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 f"{type(self.adapter).__name__} names {self.adapter.outside_step_methods or 'none'}"
             )
         call = functools.partial(getattr(type(self.optimizer), name), self.optimizer, *args, **kwargs)
-        if self._swapping is None:
-            return call()
-        self.synchronize()
-        self._swapping.scheduler.discard_prefetch()
-        if not self.config.master_weights:
-            return call()
-        sync = self._swapping.sync
-        sync.follow_edits(sync.ordered_params())  # the slots are the states the method is to see
-        return outside_step_on_masters(self.optimizer, sync.backend, sync.store.slots, call, method=name)
+        return self._swapping.outside_step(call, name)
 
     def _share_hooks(self) -> None:
         # Hooks registered on the plain optimizer (before wrapping, too) run once per step.
@@ -224,7 +204,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         capturable either: called while the current stream captures a CUDA graph, it refuses before anything
         changes.
         """
-        if self.backend is not None and self.backend.is_capturing():
+        if self._swapping.is_capturing():
             raise RuntimeError(
                 "A swapped optimizer's step() cannot be captured in a CUDA graph: it copies states between host "
                 "memory and the device and orders streams with events on every call. Capture the forward and "
@@ -235,28 +215,21 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._swapping is not None and self._swapping.in_backward is not None:
+        swapping = self._swapping
+        if swapping.claims_amp_scaling:
             scaled = [self.__dict__.pop(name) for name in _AMP_ATTRIBUTES if name in self.__dict__]
             if scaled:
-                self._swapping.in_backward.refuse_grad_scaler()
+                swapping.refuse_amp_scaling()
         with self._amp_attributes_forwarded():
-            swapping = self._swapping
-            if swapping is None:
-                with step_hooks_silenced(self.optimizer):  # this step's hooks ran: not again for the wrapped one
-                    self.optimizer.step()
-                return loss
             started = time.perf_counter()
-            backend = swapping.sync.backend
-            modeled_start = backend.modeled_times()
-            if modeled_start is not None and not swapping.transfers_started:
-                backend.start_transfer_window()
-            stats, self.trace, plan = swapping.run_step(trace=self.config.trace)
+            window = swapping.open_transfer_window()
+            outcome = swapping.driver.step()
+            if outcome is None:  # nothing swapped: the wrapped optimizer stepped
+                return loss
             note_step_for_lr_schedulers(self.optimizer)
-        swapping.count_memory(stats, plan)
-        stats.step_seconds = time.perf_counter() - started
-        if modeled_start is not None:
-            _set_modeled_seconds(stats, modeled_start, backend.modeled_times())
-        self.stats = stats
+        outcome.stats.step_seconds = time.perf_counter() - started
+        swapping.close_transfer_window(outcome.stats, window)
+        self.stats, self.trace = outcome.stats, outcome.trace
         return loss
 
     def prefetch(self) -> None:
@@ -272,22 +245,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         copy already made would miss); a host tensor kept from an earlier read and written in place after the
         copy started would not reach that step.
         """
-        if self._swapping is not None:
-            self._swapping.prefetching.prefetch()
+        self._swapping.prefetch()
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """For gradient accumulation with ``SwapConfig(step="in_backward")``: run the backwards of the micro-batches
         before the last one inside ``with opt.accumulating():``, so that their gradient hooks update nothing; the
         last backward, outside it, updates the batches. Nothing to do in the other mode (and with CPU parameters)."""
-        if self._swapping is None or self._swapping.in_backward is None:
-            return contextlib.nullcontext()
-        return self._swapping.in_backward.accumulating()
+        return self._swapping.accumulating()
 
     @property
     def prefetched(self) -> bool:
         """Whether the next step's first copy-in is already issued (by :meth:`prefetch`, or from the backward with
         ``SwapConfig(prefetch="backward")``); ``False`` again once a step ran."""
-        return self._swapping is not None and self._swapping.prefetching.prefetched
+        return self._swapping.prefetched
 
     @contextlib.contextmanager
     def _amp_attributes_forwarded(self) -> Iterator[None]:
@@ -312,31 +282,19 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         Raises ``ValueError`` when nothing is swapped (CPU parameters with ``backend="auto"``).
         """
-        if self._swapping is None:
-            raise ValueError(
-                "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto'), so it plans no "
-                "batches; give its parameters an accelerator or pass SwapConfig(backend=...)"
-            )
-        sync = self._swapping.sync
-        sync.follow_edits(sync.ordered_params())
-        wanted = [(index, param) for index, param in sync.ordered_params_with_groups() if param.requires_grad]
-        self._swapping.plans.creation.make_missing(False, lambda: wanted)
-        return self._swapping.plans.current()
+        return self._swapping.swap_plan()
 
     def host_layout(self) -> HostLayout:
         """Which states are swapped and how their host memory is laid out, as of now (a read-only snapshot).
 
         Raises ``ValueError`` when nothing is swapped (CPU parameters with ``backend="auto"``).
         """
-        if self._swapping is None:
-            raise ValueError("This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto')")
-        return self._swapping.sync.store.host_layout()
+        return self._swapping.host_layout()
 
     # -- synchronization and state dicts -------------------------------------
     def synchronize(self) -> None:
         """Block until every offload has finished, so host mirrors in ``state`` are current."""
-        if self._swapping is not None:
-            self._swapping.scheduler.synchronize()
+        self._swapping.synchronize()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``, exactly, with swapped states as host tensors.
@@ -366,22 +324,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         keep it. Checkpointing uses it instead of torch's initializing step (zero gradients, lr 0),
         which would stream every state through the device once and count a step.
         """
-        if self._swapping is None:
-            raise RuntimeError(
-                "initialize_state() needs a swap backend; with CPU parameters the wrapped optimizer runs "
-                "unswapped and creates its states on its first step"
-            )
         if self.adapter.lazy_states:
             raise UnsupportedOptimizerError(
                 f"initialize_state() cannot create the states of {type(self.optimizer).__name__}: its adapter "
                 f"({type(self.adapter).__name__}) runs the optimizer's own step, which creates them; call step() "
                 "once instead (or load a checkpoint of this optimizer)"
             )
-        self.synchronize()
-        sync = self._swapping.sync
-        sync.follow_edits(sync.ordered_params())
-        wanted = [(index, param) for index, param in sync.ordered_params_with_groups() if param.requires_grad]
-        self._swapping.plans.creation.make_missing(False, lambda: wanted)
+        self._swapping.initialize_state()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this optimizer's family, swapped states straight into host memory.
@@ -400,9 +349,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         copy at all. Otherwise the new layout is built in new host memory first and
         the old one is freed after it.
         """
-        load_state_dict(
-            self, self.optimizer, self.adapter, None if self._swapping is None else self._swapping.sync, state_dict
-        )
+        self._swapping.load_state_dict(self, state_dict)
 
     # -- parameters -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -413,14 +360,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         check_distinct_params([*self.param_groups, param_group])
         if self.config.master_weights:
             check_master_weights_supported(self.optimizer, self.adapter, param_group["params"])
-        if self._swapping is None:
-            self.optimizer.add_param_group(param_group)
-            return
-        sync = self._swapping.sync
-        select_backend(sync.backend, [*sync.ordered_params(), *param_group["params"]])
-        self.synchronize()
-        self.optimizer.add_param_group(param_group)
-        sync.follow_edits(sync.ordered_params())
+        self._swapping.add_param_group(param_group)
 
     def reset_optimizer_parameters(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Re-bind the optimizer after the model's parameter objects changed.
@@ -433,12 +373,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.synchronize()
         if new_to_old_param:
             self._rebind(new_to_old_param)
-        if self._swapping is None:
-            self.adapter.params_changed(ordered_params(self.param_groups))
-            return
-        sync = self._swapping.sync
-        sync.forget_layout()  # re-plan even when the order looks unchanged
-        sync.follow_edits(sync.ordered_params())
+        self._swapping.params_replaced(new_to_old_param)
 
     def _rebind(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
         current = set(map(id, ordered_params(self.param_groups)))
@@ -457,16 +392,3 @@ class SwapOptimizer(torch.optim.Optimizer):
         for new, old in new_to_old_param.items():
             if old in self.state:
                 self.state[new] = self.state.pop(old)
-        if self._swapping is not None:
-            self._swapping.sync.rekey(new_to_old_param)
-
-
-def _set_modeled_seconds(stats: SwapStats, start: ModeledTimes, end: ModeledTimes | None) -> None:
-    """``stats.modeled_step_seconds`` from the virtual clock at entry and at exit; ``modeled_transfer_seconds`` on
-    the copy streams: from the start of the step's first copy (a ``prefetch()``'s, if it ran one) to the end of
-    its last."""
-    assert end is not None
-    entered = max(start.host, start.compute)
-    stats.modeled_step_seconds = max(end.compute - entered, 0.0)
-    first = end.transfers_started
-    stats.modeled_transfer_seconds = max(end.transfers - first, 0.0) if first is not None else 0.0

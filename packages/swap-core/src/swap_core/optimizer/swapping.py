@@ -1,126 +1,230 @@
-"""The runtime of a swapped optimizer: made once at wrapping, absent where nothing is swapped (CPU parameters)."""
+"""What a :class:`~swap_core.SwapOptimizer` swaps with, made once at wrapping: :class:`Swapped` where a backend swaps
+the states, :class:`NothingSwapped` where none does (CPU parameters with ``backend="auto"``: the wrapped optimizer
+steps alone, with the same results). The torch face asks either the same questions and never checks which it has.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 import torch
 
-from ..adapters.base import StateSwapAdapter, UpdateBatch
-from ..backends.protocol import DeviceBackend
+from ..adapters.base import StateSwapAdapter
+from ..backend_selection import select_backend
+from ..backends.protocol import DeviceBackend, ModeledTimes
 from ..config import SwapConfig
-from ..master_weights.update import update_on_masters
-from ..runtime.pipeline import PipelineScheduler, drain_in_flight_copies
+from ..master_weights.outside_step import outside_step_on_masters
+from ..runtime.pipeline import drain_in_flight_copies
 from ..runtime.plan import SwapPlan
+from ..runtime.store import HostLayout
 from ..stats import SwapStats
-from ..trace import StepTrace
-from .auto_batching import AutoBatching
-from .in_backward import InBackwardStep
-from .loading import STATES_BEFORE_WRAPPING, make_masters_of_existing_states
+from ..torch_compat import step_hooks_silenced
+from .in_backward import InBackward
+from .loading import STATES_BEFORE_WRAPPING, load_state_dict, make_masters_of_existing_states
 from .plan_cache import PlanCache
-from .prefetching import Prefetching
-from .state_creation import state_creation
+from .setup import SwapSetup, decide_setup
 from .state_sync import StateSync
-from .step_run import StepRun
+from .step_driver import AfterBackward, StepDriver, StepOutcome
+from .wrapping import ordered_params
 
-__all__ = ["Swapping"]
+__all__ = ["NothingSwapped", "Swapped", "start_swapping"]
+
+NOTHING_SWAPPED = "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto')"
 
 
-@dataclasses.dataclass(frozen=True)
-class Swapping:
-    """What a :class:`~swap_core.SwapOptimizer` swaps with: the synced state, the plan cache, the prefetcher."""
+def start_swapping(
+    owner: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer,
+    adapter: StateSwapAdapter,
+    config: SwapConfig,
+    backend: DeviceBackend | None,
+) -> Swapped | NothingSwapped:
+    """Take over ``optimizer``'s states for ``owner`` (its wrapper) on ``backend``: the setup decided, the host
+    mirrors, masters, the step driver of ``config.step``; or nothing, without a backend."""
+    if backend is None:
+        return NothingSwapped(optimizer, adapter)
+    driver_type: type[StepDriver] = InBackward if config.step == "in_backward" else AfterBackward
+    driver_type.check_supported(adapter, ordered_params(optimizer.param_groups))
+    setup = decide_setup(optimizer, adapter, config, backend, driver_type)
+    # Copies in flight are waited for when the wrapper is collected, before its host buffers go.
+    weakref.finalize(owner, drain_in_flight_copies, setup.scheduler)
+    sync = StateSync(optimizer, adapter, setup.scheduler, setup.store_options, master_weights=config.master_weights)
+    plans = PlanCache(setup, sync)
+    sync.start()  # existing states move to host memory (may find the host too small)
+    if config.master_weights:
+        make_masters_of_existing_states(sync, adapter, STATES_BEFORE_WRAPPING)
+    return Swapped(setup, sync, plans, driver_type(owner, setup, sync, plans))
 
-    sync: StateSync
-    plans: PlanCache
-    prefetching: Prefetching
-    update: Callable[[UpdateBatch], None]
-    """The update of one batch segment: the adapter's, or the adapter's on fp32 masters (chosen once)."""
-    in_backward: InBackwardStep | None
-    """With ``SwapConfig(step="in_backward")``: the gradient hooks that update batches inside the backward."""
 
-    @classmethod
-    def start(
-        cls,
-        owner: torch.optim.Optimizer,
-        optimizer: torch.optim.Optimizer,
-        adapter: StateSwapAdapter,
-        config: SwapConfig,
-        backend: DeviceBackend,
-    ) -> Swapping:
-        """Take over ``optimizer``'s states for ``owner`` (its wrapper): host mirrors, masters, the first plan's
-        cache, the backward's prefetch hooks. Copies in flight are waited for when ``owner`` is collected."""
-        scheduler = PipelineScheduler(backend, duplex=config.duplex)
-        weakref.finalize(owner, drain_in_flight_copies, scheduler)
-        sync = StateSync(optimizer, adapter, config, scheduler)
-        creation = state_creation(adapter, sync)
-        plans = PlanCache(sync, creation, AutoBatching(config, backend) if config.swap_times == "auto" else None)
-        sync.start()  # existing states move to host memory (may find the host too small)
-        if config.master_weights:
-            make_masters_of_existing_states(sync, STATES_BEFORE_WRAPPING)
-        prefetching = Prefetching(owner, sync, plans, from_backward=config.prefetch == "backward")
-        update = update_on_masters(adapter) if config.master_weights else _update(adapter)
-        in_backward = InBackwardStep(owner, sync, plans, update) if config.step == "in_backward" else None
-        return cls(sync, plans, prefetching, update, in_backward)
+class Swapped:
+    """A backend swaps the states: the setup, the followed state, the plans and the step driver."""
 
-    @property
-    def scheduler(self) -> PipelineScheduler:
-        return self.sync.scheduler
+    def __init__(self, setup: SwapSetup, sync: StateSync, plans: PlanCache, driver: StepDriver) -> None:
+        self.setup = setup
+        self.sync = sync
+        self.plans = plans
+        self.driver = driver
 
     @property
-    def transfers_started(self) -> bool:
-        """Whether the next ``step()``'s copies began before it: a ``prefetch()``'s copy-in, or batches updated
-        inside the backward (the step's transfer window then began there)."""
-        began_in_backward = self.in_backward is not None and self.in_backward.started
-        return self.scheduler.prefetched or began_in_backward
+    def claims_amp_scaling(self) -> bool:
+        """Whether ``GradScaler`` is to hand the step its scale (which the driver then refuses)."""
+        return self.driver.claims_amp_scaling
 
-    def run_step(self, *, trace: bool) -> tuple[SwapStats, StepTrace | None, SwapPlan]:
-        """One step on the batches, then the backward's prefetch armed for the next one; the step's stats, timeline
-        (with ``trace``) and the plan it ran."""
-        with self.scheduler.working():  # reads of the state here wait for nothing
-            began = self.in_backward.finish() if self.in_backward is not None else None
-            if began is not None:  # its batches updated inside the backward; the rest did now
-                stats, plan, timeline = began
-            else:
-                stats, timeline, plan = self._attempt(trace=trace, retry=True)
-            self.prefetching.arm(after_step=True)
-            self.sync.empty_host_cache_after_relayout()
-        return stats, timeline, plan
+    def is_capturing(self) -> bool:
+        return self.setup.backend.is_capturing()
 
-    def _attempt(self, *, trace: bool, retry: bool) -> tuple[SwapStats, StepTrace | None, SwapPlan]:
-        """A :class:`StepRun`; with ``swap_times="auto"`` and ``retry``, a second one with twice the batches after an
-        out-of-memory that left everything as it was (one that fails again raises ``DeviceMemoryError``)."""
-        plans, stats, timeline = self.plans, SwapStats(), StepTrace() if trace else None
-        run = StepRun(self.sync, plans, self.update)
-        try:
-            return stats, timeline, run.run(stats, timeline)
-        except torch.OutOfMemoryError as error:
-            if plans.auto is None:
-                raise
-            if not retry:
-                raise plans.auto.still_out_of_memory(error, plans.last) from error
-            if not plans.auto.more_batches_after(error, run.batches_updated):
-                raise
-        finally:
-            run.release()  # zero_grad(set_to_none=True) must be able to free the gradients
-        plans.drop()
-        return self._attempt(trace=trace, retry=False)
+    def open_transfer_window(self) -> ModeledTimes | None:
+        """On a virtual clock: its times as ``step()`` begins (the step's transfer window opened here unless a copy
+        began it before); ``None`` without one."""
+        backend = self.setup.backend
+        start = backend.modeled_times()
+        if start is not None and not self.driver.transfers_started:
+            backend.start_transfer_window()
+        return start
 
-    def count_memory(self, stats: SwapStats, plan: SwapPlan) -> None:
-        """The memory figures of ``stats`` for a step that ran ``plan``."""
-        resident = self.plans.resident_bytes
-        stats.resident_state_device_bytes = resident
-        stats.host_state_bytes = self.sync.store.host_bytes
-        stats.host_pinned_bytes = self.sync.store.host_pinned_bytes
-        stats.peak_state_device_bytes = plan.peak_staging_bytes + resident
-        stats.available_device_bytes = self.plans.auto.available if self.plans.auto is not None else None
+    def close_transfer_window(self, stats: SwapStats, start: ModeledTimes | None) -> None:
+        """``stats.modeled_step_seconds`` from the virtual clock at entry and at exit; ``modeled_transfer_seconds`` on
+        the copy streams: from the start of the step's first copy (a ``prefetch()``'s, if it ran one) to the end of
+        its last."""
+        if start is None:
+            return
+        end = self.setup.backend.modeled_times()
+        assert end is not None
+        entered = max(start.host, start.compute)
+        stats.modeled_step_seconds = max(end.compute - entered, 0.0)
+        first = end.transfers_started
+        stats.modeled_transfer_seconds = max(end.transfers - first, 0.0) if first is not None else 0.0
+
+    def synchronize(self) -> None:
+        self.setup.scheduler.synchronize()
+
+    def prefetch(self) -> None:
+        self.driver.prefetching.prefetch()
+
+    @property
+    def prefetched(self) -> bool:
+        return self.driver.prefetching.prefetched
+
+    def outside_step(self, call: Callable[[], Any], name: str) -> Any:
+        """``call`` (the wrapped optimizer's method ``name``) on current states: the offloads finish and a pending
+        prefetch is dropped first; with master weights it runs over the fp32 masters, one parameter at a time."""
+        self.synchronize()
+        self.setup.scheduler.discard_prefetch()
+        if not self.setup.config.master_weights:
+            return call()
+        sync = self.sync
+        sync.follow_edits(sync.ordered_params())  # the slots are the states the method is to see
+        return outside_step_on_masters(sync.optimizer, self.setup.backend, sync.store.slots, call, method=name)
+
+    def swap_plan(self) -> SwapPlan:
+        self._make_missing_states()
+        return self.plans.current()
+
+    def host_layout(self) -> HostLayout:
+        return self.sync.store.host_layout()
+
+    def initialize_state(self) -> None:
+        self.synchronize()
+        self._make_missing_states()
+
+    def _make_missing_states(self) -> None:
+        sync = self.sync
+        sync.follow_edits(sync.ordered_params())
+        wanted = [(index, param) for index, param in sync.ordered_params_with_groups() if param.requires_grad]
+        self.setup.creation.make_missing(sync, False, lambda: wanted)
+
+    def load_state_dict(self, wrapper: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+        load_state_dict(wrapper, self.sync.optimizer, self.setup.adapter, self.sync, state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        sync = self.sync
+        select_backend(self.setup.backend, [*sync.ordered_params(), *param_group["params"]])
+        self.synchronize()
+        sync.optimizer.add_param_group(param_group)
+        sync.follow_edits(sync.ordered_params())
+
+    def params_replaced(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None) -> None:
+        """The parameters changed (``reset_optimizer_parameters``): host mirrors follow replaced parameters, and
+        the plan is rebuilt from the current ``param_groups`` and ``state``."""
+        sync = self.sync
+        if new_to_old_param:
+            sync.rekey(new_to_old_param)
+        sync.forget_layout()  # re-plan even when the order looks unchanged
+        sync.follow_edits(sync.ordered_params())
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        return self.driver.accumulating()
+
+    def refuse_amp_scaling(self) -> NoReturn:
+        self.driver.refuse_amp_scaling()
+        raise AssertionError("a driver that claims GradScaler's scale refuses it")
 
 
-def _update(adapter: StateSwapAdapter) -> Callable[[UpdateBatch], None]:
-    """``adapter.update``, looked up at each call (a test may replace it on the instance)."""
+class NothingSwapped:
+    """No backend swaps anything (CPU parameters with ``backend="auto"``): the wrapped optimizer steps alone."""
 
-    def update(batch: UpdateBatch) -> None:
-        adapter.update(batch)
+    claims_amp_scaling = False
 
-    return update
+    def __init__(self, optimizer: torch.optim.Optimizer, adapter: StateSwapAdapter) -> None:
+        self.optimizer = optimizer
+        self.adapter = adapter
+        self.driver = self
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def step(self) -> StepOutcome | None:
+        """The wrapped optimizer's own step (this step's hooks ran already: not again for it); no outcome."""
+        with step_hooks_silenced(self.optimizer):
+            self.optimizer.step()
+        return None
+
+    def open_transfer_window(self) -> ModeledTimes | None:
+        return None
+
+    def close_transfer_window(self, stats: SwapStats, start: ModeledTimes | None) -> None:
+        """No clock."""
+
+    def synchronize(self) -> None:
+        """No copies."""
+
+    def prefetch(self) -> None:
+        """Nothing to copy."""
+
+    prefetched = False
+
+    def outside_step(self, call: Callable[[], Any], name: str) -> Any:
+        return call()
+
+    def swap_plan(self) -> SwapPlan:
+        raise ValueError(
+            f"{NOTHING_SWAPPED}, so it plans no batches; give its parameters an accelerator or pass "
+            "SwapConfig(backend=...)"
+        )
+
+    def host_layout(self) -> HostLayout:
+        raise ValueError(NOTHING_SWAPPED)
+
+    def initialize_state(self) -> None:
+        raise RuntimeError(
+            "initialize_state() needs a swap backend; with CPU parameters the wrapped optimizer runs "
+            "unswapped and creates its states on its first step"
+        )
+
+    def load_state_dict(self, wrapper: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+        load_state_dict(wrapper, self.optimizer, self.adapter, None, state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def params_replaced(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None) -> None:
+        self.adapter.params_changed(ordered_params(self.optimizer.param_groups))
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def refuse_amp_scaling(self) -> NoReturn:
+        raise AssertionError("nothing swapped claims GradScaler's scale")

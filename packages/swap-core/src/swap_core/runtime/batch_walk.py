@@ -5,7 +5,7 @@ plan's resident parameters update while the first wait for a copy-in would stall
 stages of a :class:`Stages` (the :class:`~swap_core.runtime.pipeline.PipelineScheduler`'s, which the simulator's
 planted-bug tests replace one at a time) and asks the plan's :class:`~swap_core.runtime.staging.Staging` where
 each batch's memory comes from. :meth:`BatchWalk.advance` takes one batch, so a caller can walk the step in one
-go (``PipelineScheduler.run``) or batch by batch as the batches become ready.
+go or batch by batch as the batches become ready (``PipelineScheduler.begin``, ``advance``, ``end``).
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ class BatchWalk:
         *,
         prefetched: Event | None = None,
     ) -> None:
-        self._stages, self._plan, self._batches = stages, plan, batches
-        self._update, self._stats = update, stats
+        self._stages, self.plan, self.batches = stages, plan, batches
+        self._update, self.stats = update, stats
+        self._resident = plan.resident
+        """The plan's resident batch until it updated (a walk without swapped batches is that update alone)."""
         self._staging = plan.staging.walk(batches, compute)
         self._prefetched: dict[int, Event] = {}
         self._position = 0
@@ -64,33 +66,39 @@ class BatchWalk:
         self._resident_at = 1 if prefetched is not None and len(batches) > 1 else 0
         if prefetched is not None:
             self._prefetched[0] = prefetched
-        else:
+        elif batches:
             self._prefetch(0)
 
     @property
     def done(self) -> bool:
-        """Whether every batch was updated and its copy-out issued."""
-        return self._position == len(self._batches)
+        """Whether every batch was updated and its copy-out issued (and the resident batch updated)."""
+        return self._position == len(self.batches) and self._resident is None
 
     @property
     def next_batch(self) -> PlannedBatch | None:
-        """The batch :meth:`advance` updates next (``None`` when :attr:`done`)."""
-        return None if self.done else self._batches[self._position]
+        """The swapped batch :meth:`advance` updates next (``None`` when none is left)."""
+        return self.batches[self._position] if self._position < len(self.batches) else None
 
     def advance(self) -> None:
         """Update the next batch and issue its copy-out; the batch after it comes in while it updates, unless it
         needs this one's memory (batches skipped between them): then it comes in once this one is copied out."""
-        position, batches, stages = self._position, self._batches, self._stages
+        position, batches, stages = self._position, self.batches, self._stages
+        if position == self._resident_at and self._resident is not None:
+            resident, self._resident = self._resident, None
+            if not batches:  # nothing swapped has a gradient: the resident batch is the whole step
+                stages.update_resident(resident, self._update)
+                return
+        else:
+            resident = None
         batch = batches[position]
         following = position + 1 if position + 1 < len(batches) else None
         after_copy_out = following is not None and self._staging.needs_memory_of(following, position)
         if following is not None and not after_copy_out:
             self._prefetch(following)
-        resident = self._plan.resident
-        if position == self._resident_at and resident is not None:
+        if resident is not None:
             stages.update_resident(resident, self._update)  # the compute stream would wait for a copy-in
         stages.update_batch(batch, self._prefetched.pop(position), self._update)
-        self.last_offload = stages.offload_batch(batch, self._stats)
+        self.last_offload = stages.offload_batch(batch, self.stats)
         self._staging.copied_out(position, self.last_offload)
         if following is not None and after_copy_out:
             self._prefetch(following)
@@ -98,4 +106,4 @@ class BatchWalk:
 
     def _prefetch(self, position: int) -> None:
         reused = self._staging.before_copy_in(position)
-        self._prefetched[position] = self._stages.prefetch_batch(self._batches[position], self._stats, reused=reused)
+        self._prefetched[position] = self._stages.prefetch_batch(self.batches[position], self.stats, reused=reused)

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from ..alignment import align_up
 from ..backends.host_memory import HostMemoryMode, pinned_size
 from ..backends.protocol import DeviceBackend, Stream
 from .slots import SwapSlot
@@ -43,10 +44,6 @@ SLOT_ALIGN_BYTES = 64
 
 ARENA_ALIGN_BYTES = 512
 """Alignment of each dtype region inside a staging arena."""
-
-
-def align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
 
 
 class PackedHost:

@@ -58,9 +58,10 @@ _LOG = logging.getLogger("swap_core")
 class PipelineScheduler:
     """Runs one step's transfers and updates on the backend's streams.
 
-    Each batch goes through four stages, one method each (:meth:`prefetch_batch`, :meth:`update_batch`,
-    :meth:`offload_batch`, and :meth:`update_resident` for the resident part): the simulator's planted-bug tests
-    replace one stage to prove that a missing or an extra wait fails a test.
+    A step is a walk: :meth:`begin`, :meth:`advance` for each batch (all at once, or as a backward makes them ready),
+    :meth:`end`. Each batch goes through four stages, one method each (:meth:`prefetch_batch`,
+    :meth:`update_batch`, :meth:`offload_batch`, and :meth:`update_resident` for the resident part): the
+    simulator's planted-bug tests replace one stage to prove that a missing or an extra wait fails a test.
     """
 
     def __init__(self, backend: DeviceBackend, *, duplex: bool) -> None:
@@ -85,7 +86,7 @@ class PipelineScheduler:
         self._early: _EarlyPrefetch | None = None
         self._working = NestedFlag()
         self._walking = False
-        """A walk begun by :meth:`begin_walk` (inside a backward) awaits :meth:`end_walk`."""
+        """A walk begun by :meth:`begin` awaits :meth:`end` (inside a backward, between two hooks)."""
 
     def prefetch(self, plan: SwapPlan) -> None:
         """Start ``plan``'s first copy-in now, before the step that runs ``plan`` (nothing if one is pending).
@@ -107,97 +108,59 @@ class PipelineScheduler:
             raise
         self._early = _EarlyPrefetch(plan, event, counted.h2d_copies, counted.h2d_bytes)
 
-    def run(
+    def begin(
         self,
         plan: SwapPlan,
         update: UpdateFn,
         stats: SwapStats,
         *,
-        keep_staging: bool,
-        trace: StepTrace | None = None,
         skip: frozenset[int] = frozenset(),
-    ) -> None:
-        """One step: every batch prefetched, updated and offloaded, in order (timed into ``trace`` if given).
+        traced: bool = False,
+    ) -> BatchWalk:
+        """Begin a step over ``plan``: batch 0's copy-in is issued now, unless a pending :meth:`prefetch` of ``plan``
+        issued it (one of another plan is dropped). The caller advances the walk batch by batch (:meth:`advance`)
+        and ends it with :meth:`end`, on the stream current now whatever stream it runs under then.
 
-        ``skip``: indices of batches that have nothing to update (no parameter of theirs has a gradient): they
-        are not copied at all (a batch 0 that :meth:`prefetch` already copied in runs anyway).
+        ``skip``: indices of batches that have nothing to update (no parameter of theirs has a gradient): they are
+        not copied at all (a batch 0 that :meth:`prefetch` already copied in runs anyway). ``traced``: the phases
+        are timed from now, for :meth:`end`'s ``trace``.
         """
         self.compute = self.backend.compute_stream()
-        self._timeline = _Timeline(self.backend, self.compute) if trace is not None else None
+        self._timeline = _Timeline(self.backend, self.compute) if traced else None
         early = self._take_early(plan)
         self._settle(plan)
         batches = [
             batch for batch in plan.batches if batch.index not in skip or (early is not None and batch.index == 0)
         ]
-        if batches:
-            plan.staging.acquire()
-            with self._recover_on_error(plan):
-                self._walk(plan, batches, early, update, stats)
-                self._free_last_staging(plan, batches, keep_staging=keep_staging)
-            stats.batches = len(batches)
-        elif plan.resident is not None:
-            self.update_resident(plan.resident, update)
-        self._finish_trace(trace)
-
-    def begin_walk(self, plan: SwapPlan, update: UpdateFn, stats: SwapStats, *, traced: bool = False) -> BatchWalk:
-        """Start a step whose caller advances the walk itself, batch by batch (:meth:`advance_walk`: every batch of
-        ``plan``, in order, ``plan.resident`` not used) and finishes it with :meth:`end_walk`; batch 0 starts its
-        copy-in now, unless a pending :meth:`prefetch` of ``plan`` issued it (one of another plan is dropped).
-        ``traced``: its phases are timed from now, for :meth:`end_walk`'s ``trace``."""
-        self.compute = self.backend.compute_stream()
-        self._timeline = _Timeline(self.backend, self.compute) if traced else None
-        early = self._take_early(plan)
-        self._settle(plan)
-        plan.staging.acquire()
         with self._recover_on_error(plan):
-            prefetched = _counted(early, stats)
-            walk = BatchWalk(self, plan, plan.batches, self.compute, update, stats, prefetched=prefetched)
+            if batches:
+                plan.staging.acquire()
+            walk = BatchWalk(self, plan, batches, self.compute, update, stats, prefetched=_counted(early, stats))
         self._walking = True
         return walk
 
-    def advance_walk(self, plan: SwapPlan, walk: BatchWalk) -> None:
-        """Update ``walk``'s next batch on the stream the walk began on, whatever stream the caller runs under (a
-        gradient hook may run under another)."""
-        with self._recover_on_error(plan), self.backend.stream(self.compute):
+    def advance(self, walk: BatchWalk) -> None:
+        """Update ``walk``'s next batch (issuing the copies around it) on the stream the walk began on."""
+        with self._recover_on_error(walk.plan), self.backend.stream(self.compute):
             walk.advance()
 
-    def end_walk(
-        self, plan: SwapPlan, walk: BatchWalk, stats: SwapStats, *, keep_staging: bool, trace: StepTrace | None = None
-    ) -> None:
-        """The batches ``walk`` has left, then the end of the step (as :meth:`run` ends it; timed into ``trace``
-        when the walk began ``traced``)."""
+    def end(self, walk: BatchWalk, *, trace: StepTrace | None = None) -> None:
+        """The batches ``walk`` has left, then the end of the step: the last copy-outs run on behind the caller
+        (:meth:`synchronize` waits for them) and free their staging behind them (timed into ``trace`` when the
+        walk began ``traced``)."""
         self._walking = False
+        plan = walk.plan
         with self._recover_on_error(plan), self.backend.stream(self.compute):
             while not walk.done:
                 walk.advance()
-            assert walk.last_offload is not None, "a walk has batches"
-            self._last_offload = walk.last_offload.done
-            self._in_flight = plan
-            self._free_last_staging(plan, plan.batches, keep_staging=keep_staging)
-        stats.batches = len(plan.batches)
+            if walk.last_offload is not None:
+                self._last_offload = walk.last_offload.done
+                self._in_flight = plan
+                # The last offloads still read their staging memory: freed stream-ordered behind them, so that the
+                # compute stream (the next forward) does not wait for them.
+                self._staging_kept = plan.staging.release_after_walk(walk.batches, in_use_on=self.d2h)
+        walk.stats.batches = len(walk.batches)
         self._finish_trace(trace)
-
-    def _walk(
-        self,
-        plan: SwapPlan,
-        batches: list[PlannedBatch],
-        early: _EarlyPrefetch | None,
-        update: UpdateFn,
-        stats: SwapStats,
-    ) -> None:
-        """Every batch of ``batches`` in turn (:class:`~swap_core.runtime.batch_walk.BatchWalk`)."""
-        walk = BatchWalk(self, plan, batches, self.compute, update, stats, prefetched=_counted(early, stats))
-        while not walk.done:
-            walk.advance()
-        assert walk.last_offload is not None, "a walk has batches"
-        self._last_offload = walk.last_offload.done
-        self._in_flight = plan
-
-    def _free_last_staging(self, plan: SwapPlan, batches: list[PlannedBatch], *, keep_staging: bool) -> None:
-        """The last offloads still read their staging memory: it is freed stream-ordered behind them, so the compute
-        stream (the next forward) does not wait for them."""
-        plan.staging.release_after_walk(batches, in_use_on=self.d2h, keep=keep_staging)
-        self._staging_kept = keep_staging
 
     def _finish_trace(self, trace: StepTrace | None) -> None:
         if trace is not None and self._timeline is not None:
@@ -225,7 +188,7 @@ class PipelineScheduler:
 
     def synchronize(self) -> None:
         """Block until every offload (and a pending prefetch's copy-in) finished, so host mirrors may be read
-        and written. Refused while a walk begun by :meth:`begin_walk` awaits its end, outside the optimizer's
+        and written. Refused while a walk begun by :meth:`begin` awaits its end, outside the optimizer's
         own work: its batches are half updated."""
         self._refuse_while_walking()
         if self._early is not None:
@@ -371,7 +334,7 @@ class PipelineScheduler:
 
         Slots on the device hold the only current values (their update may have
         run, fully or partly): they are offloaded. Prefetched slots whose update
-        never started still have valid host mirrors and are dropped. A walk begun by :meth:`begin_walk` ends here.
+        never started still have valid host mirrors and are dropped. A walk begun by :meth:`begin` ends here.
         """
         self._walking = False
         self._stranded = [b for b in plan.batches if b.slots and b.slots[0].state is SlotState.DEVICE]

@@ -15,7 +15,7 @@ import torch
 
 from ..adapters.base import RESIDENT_BATCH_INDEX
 from ..backends.protocol import DeviceBackend
-from .dtensor import wrap_local
+from ..dtensor import wrap_local
 from .partition import partition_consecutive
 from .planned_batch import GradientPositions, PlannedBatch
 from .slots import SwapSlot
@@ -80,6 +80,7 @@ def build_plan(
     partition: Partition,
     *,
     walk_every_batch: bool = False,
+    keep_staging: bool = False,
 ) -> SwapPlan:
     """Partition ``params`` into batches, stage them (:func:`~swap_core.runtime.staging.stage_batches`) and bind them
     to ``state``.
@@ -92,9 +93,10 @@ def build_plan(
     every rank must then walk the same batches, and residency is decided per rank. ``partition.reverse``: the
     batches are walked from the last parameters to the first (the order in which a backward finalizes their
     gradients); the split is the same. ``walk_every_batch``: see :attr:`SwapPlan.walk_every_batch`.
+    ``keep_staging``: the staging arenas stay allocated between steps.
     """
     batches, spans, resident, slots_of, nbytes = _partitioned(store, params, partition)
-    staging = stage_batches(store.packed_host, backend, batches, buffers=partition.staging_buffers)
+    staging = stage_batches(store.packed_host, backend, batches, buffers=partition.staging_buffers, keep=keep_staging)
     for batch in batches:
         pairs = zip(batch.slots, batch.device_views, strict=True)
         batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]

@@ -19,8 +19,8 @@ from typing import Literal
 import torch
 
 from ..backends.tensor_layout import is_dense
+from ..dtensor import ShardLayout, local_tensor, shard_layout
 from ..errors import SwapStateError
-from .dtensor import ShardLayout, local_tensor, shard_layout
 
 __all__ = ["SlotState", "SwapSlot", "is_swappable", "is_swappable_dtype", "layout_stride", "transition"]
 

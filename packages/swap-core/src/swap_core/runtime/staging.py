@@ -20,9 +20,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ..alignment import align_up
 from ..backends.protocol import DeviceBackend, Event, Stream
 from ..errors import SwapStateError
-from .packed import ARENA_ALIGN_BYTES, PackedHost, StagingArenas, align_up, arena_bytes, split_at_middle
+from .packed import ARENA_ALIGN_BYTES, PackedHost, StagingArenas, arena_bytes, split_at_middle
 from .planned_batch import PlannedBatch
 from .slots import SwapSlot
 
@@ -83,22 +84,24 @@ class Staging(Protocol):
         ``in_use_on`` (``None``: the work using it is done)."""
         ...
 
-    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
-        """After a walk over ``batches``: free what the last copy-outs still read, behind them (``in_use_on``);
-        ``keep``: the arenas stay allocated for the next step."""
+    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream) -> bool:
+        """After a walk over ``batches``: free what the last copy-outs still read, behind them (``in_use_on``), unless
+        the staging is kept between steps (``SwapConfig.keep_staging``); returns whether it was kept."""
         ...
 
 
 class ArenaStaging:
     """Packed host buffers staged in ``buffers`` device arenas that take the batches in turn (see :mod:`.packed`)."""
 
-    def __init__(self, arenas: StagingArenas, buffers: int) -> None:
+    def __init__(self, arenas: StagingArenas, buffers: int, *, keep: bool) -> None:
+        """``keep``: the arenas stay allocated between steps."""
         self.arenas = arenas
         self._buffers = buffers
+        self._keep = keep
 
     @classmethod
     def lay_out(
-        cls, packed: PackedHost, backend: DeviceBackend, batches: Sequence[PlannedBatch], buffers: int
+        cls, packed: PackedHost, backend: DeviceBackend, batches: Sequence[PlannedBatch], buffers: int, *, keep: bool
     ) -> ArenaStaging:
         """Cut each batch's views and transfers out of new arenas (released again until a step acquires them)."""
         ranges = [packed.ranges(batch.slots) for batch in batches]
@@ -117,7 +120,7 @@ class ArenaStaging:
                 start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
                 batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))
         arenas.release()
-        return cls(arenas, buffers)
+        return cls(arenas, buffers, keep=keep)
 
     @property
     def peak_bytes(self) -> int:
@@ -132,9 +135,10 @@ class ArenaStaging:
     def release(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream | None) -> None:
         self.arenas.release(in_use_on=in_use_on)
 
-    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
-        if not keep:
+    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream) -> bool:
+        if not self._keep:
             self.arenas.release(in_use_on=in_use_on)
+        return self._keep
 
 
 class _ArenaWalk:
@@ -190,13 +194,15 @@ class PerTensorStaging:
                 if view.untyped_storage().nbytes() > 0:
                     self._backend.release_storage(view, in_use_on=in_use_on)
 
-    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
+    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream) -> bool:
         """The storages of the batches within ``buffers`` of the last one in the plan (the walk released the
-        earlier ones for later batches); nothing is kept."""
+        earlier ones for later batches). Nothing is kept between steps: each storage is one state's own, and
+        keeping them would keep every state on the device."""
         last = batches[-1].index if batches else 0
         for batch in (batch for batch in batches if batch.index > last - self._buffers):
             for view in batch.device_views:
                 self._backend.release_storage(view, in_use_on=in_use_on)
+        return False
 
 
 class _PerTensorWalk:
@@ -230,12 +236,17 @@ class _PerTensorWalk:
 
 
 def stage_batches(
-    store_packed: PackedHost | None, backend: DeviceBackend, batches: Sequence[PlannedBatch], *, buffers: int = 2
+    store_packed: PackedHost | None,
+    backend: DeviceBackend,
+    batches: Sequence[PlannedBatch],
+    *,
+    buffers: int = 2,
+    keep: bool = False,
 ) -> Staging:
     """The staging of ``batches``, ``buffers`` of them at a time: arenas over a packed host layout (when anything
-    is swapped), else each state's own storage."""
+    is swapped; ``keep``: allocated between steps too), else each state's own storage."""
     if store_packed is not None and sum(batch.nbytes for batch in batches) > 0:
-        return ArenaStaging.lay_out(store_packed, backend, batches, buffers)
+        return ArenaStaging.lay_out(store_packed, backend, batches, buffers, keep=keep)
     return PerTensorStaging.lay_out(backend, batches, buffers)
 
 

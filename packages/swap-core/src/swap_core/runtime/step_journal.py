@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..backends.protocol import DeviceBackend
-from .dtensor import local_tensor
+from ..dtensor import local_tensor
 
 __all__ = ["StepJournal", "note_partial_step"]
 

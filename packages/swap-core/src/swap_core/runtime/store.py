@@ -29,12 +29,12 @@ from ..adapters.base import StateInit
 from ..backends.host_memory import HostMemoryMode, pinned_size
 from ..backends.protocol import DeviceBackend, Stream
 from ..backends.storage_spans import StorageSpans
+from ..dtensor import local_tensor, shard_layout, wrap_local
 from ..errors import HostMemoryError
-from .dtensor import local_tensor, shard_layout, wrap_local
 from .packed import PackedHost
 from .slots import SlotState, SwapSlot, is_swappable, is_swappable_dtype, layout_stride, transition
 
-__all__ = ["HostLayout", "StateSource", "StateStore"]
+__all__ = ["HostLayout", "StateSource", "StateStore", "StoreOptions"]
 
 _STORE_SERIALS = itertools.count()
 
@@ -58,6 +58,21 @@ class HostLayout:
         return next((keys for swapped, keys in self.swapped if swapped is param), frozenset())
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """Which states a store swaps and how their host memory is laid out (decided once, at wrapping)."""
+
+    swap_keys: Sequence[str] | None
+    """The state keys that may be swapped (``None``: every key, for an adapter that knows no key names ahead)."""
+    min_numel: int
+    """States with fewer elements stay on the device."""
+    offload_fraction: float
+    """The share of the swappable bytes that go to host memory."""
+    packed: bool
+    """One pinned buffer per dtype (each batch moves as one copy per dtype), or one per state."""
+    host_memory: HostMemoryMode = "exact"
+
+
 class StateStore:
     """Swapped-state slots of every parameter and the host memory behind them."""
 
@@ -65,27 +80,23 @@ class StateStore:
         self,
         backend: DeviceBackend,
         state: Mapping[torch.Tensor, dict[str, Any]],
+        options: StoreOptions,
         *,
-        swap_keys: Sequence[str] | None,
-        min_numel: int,
-        offload_fraction: float,
-        packed: bool,
         copy_stream: Stream,
         await_offloads: Callable[[], None],
-        host_memory: HostMemoryMode = "exact",
     ) -> None:
         """``await_offloads``: blocks the host until every copy into or out of the host mirrors has finished."""
         self._backend = backend
         self._await_offloads = await_offloads
-        self._host_memory: HostMemoryMode = host_memory
+        self._host_memory: HostMemoryMode = options.host_memory
         self._tensor_pinned_bytes: dict[SwapSlot, int] = {}
         """Per-tensor mode: the pinned bytes of each slot's own host buffer."""
         self._state = state
-        self._swap_keys = frozenset(swap_keys) if swap_keys is not None else None
+        self._swap_keys = frozenset(options.swap_keys) if options.swap_keys is not None else None
         """``None``: every key (an adapter that knows no key names in advance)."""
-        self._min_numel = min_numel
-        self._offload_fraction = offload_fraction
-        self._packed = packed
+        self._min_numel = options.min_numel
+        self._offload_fraction = options.offload_fraction
+        self._packed = options.packed
         self._copy_stream = copy_stream
         self.slots: dict[torch.Tensor, dict[str, SwapSlot]] = {}
         self.packed_host: PackedHost | None = None

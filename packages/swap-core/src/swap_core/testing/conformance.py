@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..adapters.base import UpdateBatch
+from ..alignment import align_up
 from ..backends.protocol import DeviceBackend
 from ..optimizer import SwapOptimizer
-from ..runtime.packed import ARENA_ALIGN_BYTES, SLOT_ALIGN_BYTES, align_up
+from ..runtime.packed import ARENA_ALIGN_BYTES, SLOT_ALIGN_BYTES
 from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .habits import HABIT_CHECKS
 from .masters import assert_stepped_in_backward, check_master_weights

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends.protocol import DeviceBackend
+from ..dtensor import shard_layout
 from ..master_weights.params import has_master
 from ..optimizer import SwapOptimizer
-from ..runtime.dtensor import shard_layout
 from ..runtime.state_keys import MASTER_KEY
 from .compare import assert_bitwise_equal
 from .pairs import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.dtensor import local_tensor
-from ..torch_compat import tensor_version
+from ...dtensor import local_tensor
+from ...torch_compat import tensor_version
 
 __all__ = ["GradientWatch"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..torch_compat import tensor_version
+from ...torch_compat import tensor_version
 
 __all__ = ["GroupSnapshot"]
 

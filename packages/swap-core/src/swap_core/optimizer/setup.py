@@ -1,0 +1,128 @@
+"""Every mode of one swapped optimizer, decided once when it is wrapped.
+
+As DCP's ``_verify_options`` checks its options once into a frozen ``_StateDictInfo``, wrapping checks the
+:class:`~swap_core.SwapConfig` against the optimizer, its adapter and its backend into one :class:`SwapSetup`. What
+runs below it (the state it follows, the plans, one step's run, the two step drivers) asks the setup's decided
+objects, never the config's flags:
+
+- the **update** of a batch: the adapter's, or the adapter's over fp32 masters (``master_weights``);
+- how missing states are **created**: before the step by the adapter, or by the optimizer's own update;
+- how many **batches** a plan gets: ``swap_times``, or ``"auto"``'s fewest that fit, with its one retry;
+- the **plan's shape**: the resident batch first or not, the walk's order, the staging buffers and whether the
+  staging is kept between steps;
+- the **host memory** of the swapped states (packed or per tensor, exact or caching, which keys and sizes);
+- whether each step **records** its timeline.
+
+When the batches update (after the backward, or inside it) is the step driver, chosen at the same time
+(:func:`~swap_core.optimizer.swapping.start_swapping`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ..adapters.base import StateSwapAdapter, UpdateBatch
+from ..backends.protocol import DeviceBackend
+from ..config import SwapConfig
+from ..master_weights.update import UpdateOnMasters
+from ..runtime.pipeline import PipelineScheduler
+from ..runtime.store import StoreOptions
+from ..trace import StepTrace
+from .batch_count import BatchCount, batch_count
+from .state_creation import StateCreation, state_creation
+from .wrapping import swap_keys
+
+__all__ = ["BatchUpdate", "PlanShape", "SwapSetup", "WalkOrder", "decide_setup"]
+
+
+class BatchUpdate(Protocol):
+    """The update of one batch segment: the adapter itself (its ``update`` is looked up at each call, so that a test
+    may replace it on the instance), or with master weights
+    :class:`~swap_core.master_weights.update.UpdateOnMasters`, the adapter's update over the fp32 masters."""
+
+    def update(self, batch: UpdateBatch) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanShape:
+    """How a plan lays its batches out and stages them."""
+
+    resident_first: bool
+    """Parameters whose states all stay on the device update first, in a batch of their own (not when each batch
+    updates inside the backward as its gradients become final)."""
+    reverse: bool
+    """The batches are walked in the order a backward finalizes gradients (the last parameters first)."""
+    staging_buffers: int
+    max_batch_bytes: int | None
+    keep_staging: bool
+    """The staging arenas stay allocated between steps."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapSetup:
+    """The decided modes of one swapped optimizer and the mechanism they run on (see the module)."""
+
+    config: SwapConfig
+    """The config as given, for its numbers; its modes are decided into the fields below."""
+    adapter: StateSwapAdapter
+    backend: DeviceBackend
+    scheduler: PipelineScheduler
+    update: BatchUpdate
+    creation: StateCreation
+    batch_count: BatchCount
+    plan_shape: PlanShape
+    store_options: StoreOptions
+    new_trace: Callable[[], StepTrace | None]
+    """A timeline for the next step, or ``None`` when steps are not traced."""
+
+
+class WalkOrder(Protocol):
+    """What a step driver says of the plans it walks (:class:`~swap_core.optimizer.step_driver.StepDriver`)."""
+
+    updates_resident_first: bool
+    walks_in_backward_order: bool
+
+
+def decide_setup(
+    optimizer: torch.optim.Optimizer,
+    adapter: StateSwapAdapter,
+    config: SwapConfig,
+    backend: DeviceBackend,
+    driver: WalkOrder,
+) -> SwapSetup:
+    """The setup of ``optimizer`` swapped by ``adapter`` on ``backend`` as ``config`` asks (checked by wrapping), for
+    plans walked as ``driver`` (the step driver's class) walks them."""
+    update: BatchUpdate = UpdateOnMasters(adapter) if config.master_weights else adapter
+    return SwapSetup(
+        config=config,
+        adapter=adapter,
+        backend=backend,
+        scheduler=PipelineScheduler(backend, duplex=config.duplex),
+        update=update,
+        creation=state_creation(adapter),
+        batch_count=batch_count(config, backend),
+        plan_shape=PlanShape(
+            resident_first=driver.updates_resident_first,
+            reverse=driver.walks_in_backward_order or config.prefetch == "backward",
+            staging_buffers=config.staging_buffers,
+            max_batch_bytes=config.max_batch_bytes,
+            keep_staging=config.keep_staging,
+        ),
+        store_options=StoreOptions(
+            swap_keys=swap_keys(optimizer, adapter, config),
+            min_numel=config.min_numel,
+            # Where host memory is the device's (CPU parameters in master-weights mode) nothing stays resident.
+            offload_fraction=0.0 if backend.host_is_device else config.offload_fraction,
+            packed=config.packed,
+            host_memory=config.host_memory,
+        ),
+        new_trace=StepTrace if config.trace else _untraced,
+    )
+
+
+def _untraced() -> StepTrace | None:
+    return None

@@ -1,0 +1,93 @@
+"""Planted bugs in the pipeline and observations of it, for tests that prove a check catches what it is for.
+
+A clock or race test is only worth its goal if breaking the mechanism fails it. Each context manager here breaks one
+rule of swap-core's pipeline for the duration of its block (an extra wait, a missing overlap), so that a suite of
+another package (swap-bench's modeled iteration, say) can plant it without reaching into swap-core's private
+names::
+
+    from swap_core.testing import planted
+
+    with planted.updates_held_back_to_step():
+        row = model_iteration(spec)        # every batch now updates in step(): the goal must fail
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+from ..optimizer import plan_cache
+from ..optimizer.in_backward import driver as in_backward_driver
+from ..runtime.plan import build_plan
+from ..runtime.staging import ArenaStaging, Offloaded, StagingWalk
+
+__all__ = [
+    "copy_ins_issued_after_the_copy_out_before",
+    "copy_ins_wait_for_the_copy_out",
+    "plans_built",
+    "updates_held_back_to_step",
+]
+
+
+@contextlib.contextmanager
+def updates_held_back_to_step() -> Iterator[None]:
+    """Inside the backward no batch is ever ready (``SwapConfig(step="in_backward")``): every update waits for
+    ``step()``."""
+    with mock.patch.object(in_backward_driver, "_ready", lambda final, params: False):
+        yield
+
+
+@contextlib.contextmanager
+def copy_ins_wait_for_the_copy_out(batches_before: int) -> Iterator[None]:
+    """Each packed copy-in waits, half by half, for the copy-out of the batch ``batches_before`` before it in the
+    walk, whatever arena it takes (with three staging buffers and ``batches_before=2``: the extra wait two arenas
+    need, so that the third buffers nothing)."""
+    walk = ArenaStaging.walk
+
+    def held_back(self: ArenaStaging, *args: Any, **kwargs: Any) -> StagingWalk:
+        staging_walk = walk(self, *args, **kwargs)
+        offloads: dict[int, Offloaded] = {}
+        copied_out = staging_walk.copied_out
+
+        def record(position: int, offloaded: Offloaded) -> None:
+            offloads[position] = offloaded
+            copied_out(position, offloaded)
+
+        staging_walk.copied_out = record  # type: ignore[method-assign]
+        staging_walk.before_copy_in = lambda position: offloads.get(position - batches_before)  # type: ignore[method-assign]
+        return staging_walk
+
+    with mock.patch.object(ArenaStaging, "walk", held_back):
+        yield
+
+
+@contextlib.contextmanager
+def copy_ins_issued_after_the_copy_out_before() -> Iterator[None]:
+    """Each packed copy-in is issued only once the batch before it was copied out (as if it took that batch's
+    memory), so the link never runs both ways at once."""
+    walk = ArenaStaging.walk
+
+    def held_back(self: ArenaStaging, *args: Any, **kwargs: Any) -> StagingWalk:
+        staging_walk = walk(self, *args, **kwargs)
+        staging_walk.needs_memory_of = lambda position, earlier: True  # type: ignore[method-assign]
+        return staging_walk
+
+    with mock.patch.object(ArenaStaging, "walk", held_back):
+        yield
+
+
+@contextlib.contextmanager
+def plans_built() -> Iterator[list[int]]:
+    """Not a bug: counts the plans built in the block (the list grows by one per plan, with its batch count), for a
+    test that a plan is kept while nothing it depends on changes."""
+    built: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plan = build_plan(*args, **kwargs)
+        built.append(len(plan.batches))
+        return plan
+
+    with mock.patch.object(plan_cache, "build_plan", counted):
+        yield built
