@@ -33,7 +33,6 @@ __all__ = [
     "SLOT_ALIGN_BYTES",
     "PackedHost",
     "StagingArenas",
-    "align_up",
     "arena_bytes",
     "arena_layout",
     "split_at_middle",

@@ -1,8 +1,9 @@
 """Where every optimizer state lives: host mirrors of swapped states, resident device tensors.
 
 The store decides, once per state, whether it is swapped (and keeps its slot) or
-stays resident, and owns the host memory of swapped states: one packed buffer
-per dtype in packed mode, one pinned buffer per state otherwise. Between steps
+stays resident, and owns the host memory of swapped states, laid out as its
+:mod:`~swap_core.runtime.host_buffers` say: one packed buffer per dtype, or one
+pinned buffer per state. Between steps
 ``optimizer.state[p][key]`` *is* the host mirror of a swapped state, so
 ``state_dict()`` exports it without copying and without touching the device.
 
@@ -31,6 +32,7 @@ from ..backends.protocol import DeviceBackend, Stream
 from ..backends.storage_spans import StorageSpans
 from ..dtensor import local_tensor, shard_layout, wrap_local
 from ..errors import HostMemoryError
+from .host_buffers import HostBuffers, host_buffers
 from .packed import PackedHost
 from .slots import SlotState, SwapSlot, is_swappable, is_swappable_dtype, layout_stride, transition
 
@@ -89,17 +91,14 @@ class StateStore:
         self._backend = backend
         self._await_offloads = await_offloads
         self._host_memory: HostMemoryMode = options.host_memory
-        self._tensor_pinned_bytes: dict[SwapSlot, int] = {}
-        """Per-tensor mode: the pinned bytes of each slot's own host buffer."""
+        self._buffers: HostBuffers = host_buffers(backend, options.host_memory, packed=options.packed)
         self._state = state
         self._swap_keys = frozenset(options.swap_keys) if options.swap_keys is not None else None
         """``None``: every key (an adapter that knows no key names in advance)."""
         self._min_numel = options.min_numel
         self._offload_fraction = options.offload_fraction
-        self._packed = options.packed
         self._copy_stream = copy_stream
         self.slots: dict[torch.Tensor, dict[str, SwapSlot]] = {}
-        self.packed_host: PackedHost | None = None
         self._swapped_bytes = 0
         self._candidate_bytes = 0
         self.version = 0
@@ -170,8 +169,7 @@ class StateStore:
         if not new:
             return
         needed = sum(pinned_size(slot.nbytes, self._host_memory) for slot in new)
-        if self._packed:
-            needed += PackedHost.required_pinned_bytes([*self.ordered_slots(order), *new], self._host_memory)
+        needed += self._buffers.relayout_bytes([*self.ordered_slots(order), *new])
         self._check_host_capacity(needed)
 
     def resident_value(self, template: StateInit, param: torch.Tensor) -> torch.Tensor:
@@ -203,12 +201,13 @@ class StateStore:
             self._swapped_bytes,
             self._candidate_bytes,
             {param: dict(slots) for param, slots in self.slots.items()},
-            dict(self._tensor_pinned_bytes),
+            self._buffers.saved(),
         )
         try:
             yield
         except BaseException:
-            self._swapped_bytes, self._candidate_bytes, self.slots, self._tensor_pinned_bytes = saved
+            self._swapped_bytes, self._candidate_bytes, self.slots, own_buffers = saved
+            self._buffers.restore(own_buffers)
             raise
 
     # -- creating -------------------------------------------------------------
@@ -222,7 +221,7 @@ class StateStore:
         """
         if not new:
             return
-        relayout = self._packed and not unpacked
+        relayout = self._buffers.packs and not unpacked
         if relayout or any(self._on_host(source) for _, source in new):
             self._await_offloads()  # host mirrors are read (a re-layout copies them; a source may be one)
         for slot, _ in new:
@@ -230,15 +229,12 @@ class StateStore:
         # Device sources were written on the compute stream; the copy stream must see those writes.
         self._backend.wait_event(self._copy_stream, self._backend.record_event(self._backend.compute_stream()))
         with self._backend.host_scope():
-            if relayout:
-                self._tensor_pinned_bytes.clear()  # the re-layout packs every slot, those added unpacked too
+            if relayout:  # the re-layout packs every slot, those added unpacked too
                 self._relayout(order, dict((slot, source) for slot, source in new))
             else:
                 self._check_host_capacity(sum(pinned_size(slot.nbytes, self._host_memory) for slot, _ in new))
                 for slot, source in new:
-                    buffer = self._backend.empty_host(slot.numel, slot.dtype, mode=self._host_memory)
-                    self._tensor_pinned_bytes[slot] = self._backend.pinned_bytes(buffer)
-                    slot.host = slot.shaped(buffer)
+                    slot.host = slot.shaped(self._buffers.own_buffer(slot))
                     slot.device = slot.shaped(self._backend.empty((slot.numel,), slot.dtype))
                     self._backend.release_storage(slot.device)
                     self._fill(slot.host, source)
@@ -287,9 +283,14 @@ class StateStore:
         return True
 
     @property
+    def packed_host(self) -> PackedHost | None:
+        """The packed host buffers (``None`` with per-tensor ones, or before the first layout)."""
+        return self._buffers.packed_host
+
+    @property
     def has_unpacked(self) -> bool:
         """Whether a packed store holds slots added ``unpacked`` (a plan must not be built before :meth:`pack`)."""
-        return self._packed and bool(self._tensor_pinned_bytes)
+        return self._buffers.has_unpacked
 
     def pack(self, order: Sequence[torch.Tensor]) -> None:
         """Pack the slots added ``unpacked`` with the others; every offload must have finished."""
@@ -305,16 +306,15 @@ class StateStore:
             for slot in self.slots.pop(param, {}).values():
                 self._swapped_bytes -= slot.nbytes
                 self._candidate_bytes -= slot.nbytes
-                self._tensor_pinned_bytes.pop(slot, None)
+                self._buffers.forget(slot)
         self.version += 1
 
     def reorder(self, order: Sequence[torch.Tensor]) -> None:
         """Re-pack host buffers so that slots follow ``order`` (after param groups changed)."""
         kept = set(order)
         self.remove([param for param in self.slots if param not in kept])
-        if self._packed:
+        if self._buffers.packs:
             self._await_offloads()  # the re-layout reads every host mirror
-            self._tensor_pinned_bytes.clear()
             with self._backend.host_scope():
                 self._relayout(order, {})
                 self._finish_fills()
@@ -336,8 +336,8 @@ class StateStore:
 
     def _relayout(self, order: Sequence[torch.Tensor], sources: dict[SwapSlot, StateSource]) -> None:
         slots = self.ordered_slots(order)
-        self._check_host_capacity(PackedHost.required_pinned_bytes(slots, self._host_memory))
-        packed = PackedHost(self._backend, slots, mode=self._host_memory)
+        self._check_host_capacity(self._buffers.relayout_bytes(slots))
+        packed = self._buffers.lay_out(slots)
         for slot in slots:
             view = packed.view(slot)
             source = sources.get(slot)
@@ -346,7 +346,6 @@ class StateStore:
             self._fill(view, source)
             slot.host = view
             self._publish(slot)
-        self.packed_host = packed
 
     def _publish(self, slot: SwapSlot) -> None:
         """Make the slot's host mirror the value ``optimizer.state`` shows between steps."""
@@ -403,14 +402,11 @@ class StateStore:
     @property
     def host_pinned_bytes(self) -> int:
         """Host bytes pinned for the swapped states, rounding included."""
-        packed = self.packed_host.pinned_bytes if self.packed_host is not None else 0
-        return packed + sum(self._tensor_pinned_bytes.values())
+        return self._buffers.pinned_bytes
 
     @property
     def host_bytes(self) -> int:
-        if self.packed_host is None:
-            return sum(slot.nbytes for slots in self.slots.values() for slot in slots.values())
-        return self.packed_host.nbytes + sum(slot.nbytes for slot in self._tensor_pinned_bytes)
+        return self._buffers.host_bytes(slot for slots in self.slots.values() for slot in slots.values())
 
     def resident_bytes(self, params: Iterable[torch.Tensor]) -> int:
         """Device bytes of state tensors of ``params`` that are not swapped."""
