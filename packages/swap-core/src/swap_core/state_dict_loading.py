@@ -11,8 +11,9 @@ import torch
 from .adapters.base import StateInit, StateSwapAdapter
 from .dtensor import local_tensor, shard_layout
 from .errors import StateDictMismatchError
-from .master_weights.loading import check_master_shape, master_from_param, unexpected_master
-from .master_weights.params import has_master, stand_in, without_master
+from .master_weights.loading import check_master_shape, master_from_param
+from .master_weights.params import without_master
+from .master_weights.policy import Masters
 from .runtime.slots import SwapSlot, layout_stride
 from .runtime.state_keys import MASTER_KEY
 from .runtime.store import StateSource, StateStore
@@ -41,7 +42,7 @@ def load_swapped_state(
     store: StateStore,
     state_dict: Mapping[str, Any],
     *,
-    master_weights: bool = False,
+    masters: Masters,
 ) -> LoadedState:
     """New param groups and state for the optimizer of ``param_groups``, checked by its ``adapter``,
     and the swapped states still to place.
@@ -52,10 +53,10 @@ def load_swapped_state(
     new host memory (:meth:`~swap_core.runtime.store.StateStore.add`). Nothing of the live optimizer
     is modified: the caller commits the result.
 
-    ``master_weights``: a bf16/fp16 parameter's floating states load as fp32 (not cast to the
+    ``masters``: with fp32 masters, a bf16/fp16 parameter's floating states load as fp32 (not cast to the
     parameter's dtype, as torch's load casts them) and its ``master_param`` with them; a state saved
     without one (a plain checkpoint) gets a master copied from the live parameter, counted in
-    :attr:`LoadedState.masters_from_params`. Without it, a checkpoint holding masters is refused.
+    :attr:`LoadedState.masters_from_params`. Without masters, a checkpoint holding them is refused.
     """
     if "state" not in state_dict or "param_groups" not in state_dict:
         raise StateDictMismatchError(
@@ -71,7 +72,7 @@ def load_swapped_state(
                 f"Loaded state dict has state for parameter id {saved_id!r}, which none of its param groups lists"
             )
         param, group, saved_group = id_map[saved_id]
-        _stage_entry(loaded, adapter, store, saved_id, saved_state, param, group, saved_group, master_weights)
+        _stage_entry(loaded, adapter, store, saved_id, saved_state, param, group, saved_group, masters)
     loaded.param_groups = [_updated_group(group, saved) for group, saved in zip(groups, saved_groups, strict=True)]
     return loaded
 
@@ -85,18 +86,18 @@ def _stage_entry(
     param: torch.Tensor,
     group: dict[str, Any],
     saved_group: Mapping[str, Any],
-    master_weights: bool,
+    masters: Masters,
 ) -> None:
     """Check the saved state of ``param`` against the adapter and stage it in ``loaded`` (swapped values placed
     later, see :func:`load_swapped_state`)."""
-    masters = master_weights and has_master(param)
-    if MASTER_KEY in saved_state and not masters:
-        raise StateDictMismatchError(unexpected_master(saved_id, param, master_weights))
+    keeps_master = masters.keeps(param)
+    if MASTER_KEY in saved_state and not keeps_master:
+        raise StateDictMismatchError(masters.unexpected_master(saved_id, param))
     # What the update runs on: the parameter, or the fp32 master of a bf16/fp16 one.
-    updated = stand_in(param) if masters else param
+    updated = masters.as_updated(param)
     # The options the loaded group will have: the checkpoint's, the live group's where it has none.
     loaded_group = {**group, **saved_group, "params": group["params"]}
-    if masters and MASTER_KEY in saved_state:
+    if keeps_master and MASTER_KEY in saved_state:
         check_master_shape(saved_id, param, saved_state[MASTER_KEY])
         loaded.low_precision_masters += saved_state[MASTER_KEY].dtype != torch.float32
     if saved_state:
@@ -114,7 +115,7 @@ def _stage_entry(
         entry[key] = _stage_value(
             store, new, param, updated.dtype, saved_group, key, value, expected.get(key), saved_id
         )
-    if masters and saved_state and MASTER_KEY not in saved_state:
+    if keeps_master and saved_state and MASTER_KEY not in saved_state:
         # A plain checkpoint: the master starts as the live parameter (the checkpoint's own weights, loaded).
         entry[MASTER_KEY] = master_from_param(store, new, param)
         loaded.masters_from_params += 1

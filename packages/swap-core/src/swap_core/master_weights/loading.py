@@ -39,7 +39,7 @@ def check_master_shape(saved_id: object, param: torch.Tensor, master: object) ->
         )
 
 
-def unexpected_master(saved_id: object, param: torch.Tensor, master_weights: bool) -> str:
+def unexpected_master(saved_id: object, param: torch.Tensor, *, master_weights: bool) -> str:
     """Why a loaded state with a master cannot load into a parameter that keeps none."""
     where = f"Loaded state dict: the state of parameter {saved_id!r} has {MASTER_KEY!r} (an fp32 master copy)"
     if master_weights:

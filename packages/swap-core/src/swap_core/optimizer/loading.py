@@ -7,15 +7,12 @@ and what it loaded is then taken over into host memory.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..adapters.base import StateSwapAdapter
-from ..master_weights.params import has_master
-from ..master_weights.update import params_as_masters
 from ..runtime.state_keys import MASTER_KEY
 from ..state_dict_loading import load_swapped_state
 from ..torch_compat import (
@@ -72,11 +69,10 @@ def load_state_dict(
         elif overrides(optimizer, "load_state_dict"):
             # Its own format and casting rules (bitsandbytes keeps uint8 codes uint8): its own method loads, and
             # the loaded state is then taken over into host memory, as after a load through the wrapped optimizer.
-            with params_as_masters(optimizer) if sync.master_weights else contextlib.nullcontext():
+            with sync.masters.params_presented(optimizer):
                 optimizer.load_state_dict(dict(adapter.import_state_dict(state_dict)))
             sync.follow_edits(sync.ordered_params())
-            if sync.master_weights:
-                make_masters_of_existing_states(sync, adapter, PLAIN_CHECKPOINT)
+            make_masters_of_existing_states(sync, adapter, PLAIN_CHECKPOINT)
         else:
             _load_swapped(sync, adapter, state_dict)
     for post_hook in post_hooks.values():
@@ -92,11 +88,11 @@ def make_masters_of_existing_states(sync: StateSync, adapter: StateSwapAdapter, 
     where the parameter's dtype held their values exactly, as zeros). ``warning`` (formatted with
     ``count``) says so once.
     """
-    state = sync.state
+    state, masters = sync.state, sync.masters
     lacking = [
         param
         for param in sync.ordered_params()
-        if has_master(param) and state.get(param) and MASTER_KEY not in state[param]
+        if masters.keeps(param) and state.get(param) and MASTER_KEY not in state[param]
     ]
     if not lacking:
         return
@@ -114,7 +110,7 @@ def _load_swapped(
     sync.follow_edits(ordered)
     state_dict = adapter.import_state_dict(state_dict)
     store = sync.new_store()
-    staged = load_swapped_state(sync.param_groups, adapter, store, state_dict, master_weights=sync.master_weights)
+    staged = load_swapped_state(sync.param_groups, adapter, store, state_dict, masters=sync.masters)
     groups, state, loaded = staged.param_groups, staged.state, staged.swapped
     if staged.masters_from_params and warn_of_made_masters:
         warn_user(PLAIN_CHECKPOINT.format(count=staged.masters_from_params), UserWarning)

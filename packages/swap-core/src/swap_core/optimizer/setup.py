@@ -11,7 +11,8 @@ objects, never the config's flags:
 - the **plan's shape**: the resident batch first or not, the walk's order, the staging buffers and whether the
   staging is kept between steps;
 - the **host memory** of the swapped states (packed or per tensor, exact or caching, which keys and sizes);
-- whether each step **records** its timeline.
+- whether each step **records** its timeline, keeps what undoing it needs, prefetches from the backward, and (inside
+  the backward) frees the gradients a batch used.
 
 When the batches update (after the backward, or inside it) is the step driver, chosen at the same time
 (:func:`~swap_core.optimizer.swapping.start_swapping`).
@@ -25,10 +26,10 @@ from typing import Protocol
 
 import torch
 
-from ..adapters.base import StateSwapAdapter, UpdateBatch
+from ..adapters.base import StateSwapAdapter
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
-from ..master_weights.update import UpdateOnMasters
+from ..master_weights.policy import BatchUpdate, Masters
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.store import StoreOptions
 from ..trace import StepTrace
@@ -36,15 +37,7 @@ from .batch_count import BatchCount, batch_count
 from .state_creation import StateCreation, state_creation
 from .wrapping import swap_keys
 
-__all__ = ["BatchUpdate", "PlanShape", "SwapSetup", "WalkOrder", "decide_setup"]
-
-
-class BatchUpdate(Protocol):
-    """The update of one batch segment: the adapter itself (its ``update`` is looked up at each call, so that a test
-    may replace it on the instance), or with master weights
-    :class:`~swap_core.master_weights.update.UpdateOnMasters`, the adapter's update over the fp32 masters."""
-
-    def update(self, batch: UpdateBatch) -> None: ...
+__all__ = ["PlanShape", "SwapSetup", "WalkOrder", "decide_setup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,17 +60,26 @@ class SwapSetup:
     """The decided modes of one swapped optimizer and the mechanism they run on (see the module)."""
 
     config: SwapConfig
-    """The config as given, for its numbers; its modes are decided into the fields below."""
+    """The config as given (for ``repr`` and copies); what runs below the setup reads the fields below."""
     adapter: StateSwapAdapter
     backend: DeviceBackend
     scheduler: PipelineScheduler
+    masters: Masters
+    """Which parameters keep an fp32 master, and what that changes (``master_weights``)."""
     update: BatchUpdate
+    """The update of one batch segment: the adapter itself, or it over the fp32 masters."""
     creation: StateCreation
     batch_count: BatchCount
     plan_shape: PlanShape
     store_options: StoreOptions
     new_trace: Callable[[], StepTrace | None]
     """A timeline for the next step, or ``None`` when steps are not traced."""
+    undo_failed_steps: bool
+    """Every step keeps what undoing it needs (a first step always does)."""
+    prefetch_from_backward: bool
+    """The first batch's copy-in is issued from the backward's gradient hooks."""
+    free_gradients: bool
+    """A batch updated inside the backward drops its gradients once its update is issued."""
 
 
 class WalkOrder(Protocol):
@@ -92,18 +94,19 @@ def decide_setup(
     adapter: StateSwapAdapter,
     config: SwapConfig,
     backend: DeviceBackend,
+    masters: Masters,
     driver: WalkOrder,
 ) -> SwapSetup:
-    """The setup of ``optimizer`` swapped by ``adapter`` on ``backend`` as ``config`` asks (checked by wrapping), for
-    plans walked as ``driver`` (the step driver's class) walks them."""
-    update: BatchUpdate = UpdateOnMasters(adapter) if config.master_weights else adapter
+    """The setup of ``optimizer`` swapped by ``adapter`` on ``backend`` as ``config`` asks (checked by wrapping, which
+    decided its ``masters`` policy), for plans walked as ``driver`` (the step driver's class) walks them."""
     return SwapSetup(
         config=config,
         adapter=adapter,
         backend=backend,
         scheduler=PipelineScheduler(backend, duplex=config.duplex),
-        update=update,
-        creation=state_creation(adapter),
+        masters=masters,
+        update=masters.update(adapter),
+        creation=state_creation(adapter, masters),
         batch_count=batch_count(config, backend),
         plan_shape=PlanShape(
             resident_first=driver.updates_resident_first,
@@ -113,7 +116,7 @@ def decide_setup(
             keep_staging=config.keep_staging,
         ),
         store_options=StoreOptions(
-            swap_keys=swap_keys(optimizer, adapter, config),
+            swap_keys=swap_keys(optimizer, adapter, config, masters),
             min_numel=config.min_numel,
             # Where host memory is the device's (CPU parameters in master-weights mode) nothing stays resident.
             offload_fraction=0.0 if backend.host_is_device else config.offload_fraction,
@@ -121,6 +124,9 @@ def decide_setup(
             host_memory=config.host_memory,
         ),
         new_trace=StepTrace if config.trace else _untraced,
+        undo_failed_steps=config.undo_failed_steps,
+        prefetch_from_backward=config.prefetch == "backward",
+        free_gradients=config.free_gradients,
     )
 
 

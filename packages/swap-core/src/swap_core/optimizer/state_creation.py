@@ -15,7 +15,7 @@ import torch
 
 from ..adapters.base import StateInit, StateSwapAdapter
 from ..dtensor import local_tensor
-from ..master_weights.params import has_master
+from ..master_weights.policy import Masters
 from ..runtime.plan import SwapPlan
 from ..runtime.state_keys import is_fresh
 from .state_sync import StateSync
@@ -29,8 +29,9 @@ ParamsWithGrad = Callable[[], list[tuple[int, torch.Tensor]]]
 class StatesBeforeTheStep:
     """Missing states made from the adapter's ``initial_state`` before any batch runs."""
 
-    def __init__(self, adapter: StateSwapAdapter) -> None:
+    def __init__(self, adapter: StateSwapAdapter, masters: Masters) -> None:
         self.adapter = adapter
+        self.masters = masters
 
     def before_journal(self, sync: StateSync, ordered: list[torch.Tensor]) -> None:
         """Nothing is left unpacked by an earlier step."""
@@ -41,13 +42,13 @@ class StatesBeforeTheStep:
         if complete:
             return []
         asked = [
-            (param, self.adapter.initial_state(sync.as_updated(param), sync.param_groups[group_index]))
+            (param, self.adapter.initial_state(self.masters.as_updated(param), sync.param_groups[group_index]))
             for group_index, param in params_with_grad()
             if not sync.state[param]
         ]
         # A parameter the adapter keeps no state for (distributed Muon's matrices another rank owns) has nothing
         # to create: left out, it does not make the plan be built again at every step.
-        fresh = [(param, initial) for param, initial in asked if initial or (sync.master_weights and has_master(param))]
+        fresh = [(param, initial) for param, initial in asked if initial or self.masters.keeps(param)]
         sync.create_states(fresh)
         return [param for param, _ in fresh]
 
@@ -76,6 +77,9 @@ class StatesMadeByTheUpdate:
     """States the optimizer's own step makes on the device, batch by batch: each batch's go to host memory before
     the next batch makes its own, and they are packed after the step."""
 
+    def __init__(self, masters: Masters) -> None:
+        self.masters = masters
+
     def before_journal(self, sync: StateSync, ordered: list[torch.Tensor]) -> None:
         """Pack those a failed step left unpacked."""
         sync.pack_fresh_states(ordered)
@@ -83,10 +87,12 @@ class StatesMadeByTheUpdate:
     def make_missing(self, sync: StateSync, complete: bool, params_with_grad: ParamsWithGrad) -> list[torch.Tensor]:
         """With master weights, the masters, which the update runs on, come first; the states are the update's. The
         parameters it made masters for."""
-        if complete or not sync.master_weights:
+        if complete:
             return []
         empty: dict[str, torch.Tensor | StateInit] = {}
-        fresh = [(param, empty) for _, param in params_with_grad() if has_master(param) and not sync.state[param]]
+        fresh = [
+            (param, empty) for _, param in params_with_grad() if self.masters.keeps(param) and not sync.state[param]
+        ]
         sync.create_states(fresh)
         return [param for param, _ in fresh]
 
@@ -145,6 +151,6 @@ class StatesMadeByTheUpdate:
 StateCreation = StatesBeforeTheStep | StatesMadeByTheUpdate
 
 
-def state_creation(adapter: StateSwapAdapter) -> StateCreation:
+def state_creation(adapter: StateSwapAdapter, masters: Masters) -> StateCreation:
     """The way ``adapter``'s optimizer gets its states, chosen once (each method is given the state it works on)."""
-    return StatesMadeByTheUpdate() if adapter.lazy_states else StatesBeforeTheStep(adapter)
+    return StatesMadeByTheUpdate(masters) if adapter.lazy_states else StatesBeforeTheStep(adapter, masters)

@@ -20,16 +20,14 @@ from ..adapters.base import StateInit, StateSwapAdapter
 from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
 from ..dtensor import local_tensor
-from ..master_weights.params import has_master
+from ..master_weights.policy import Masters
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.slots import SwapSlot
 from ..runtime.state_keys import MASTER_KEY, is_fresh
 from ..runtime.store import StateSource, StateStore, StoreOptions
 from ..runtime.tracked_state import TrackedState
 from .wrapping import (
-    as_updated,
     check_distinct_params,
-    check_master_weights_supported,
     check_states,
     ordered_params,
     ordered_params_with_groups,
@@ -56,17 +54,16 @@ class StateSync:
         adapter: StateSwapAdapter,
         scheduler: PipelineScheduler,
         store_options: StoreOptions,
-        *,
-        master_weights: bool,
+        masters: Masters,
     ) -> None:
         """Follows ``optimizer`` for ``adapter``; its states move through ``scheduler``'s backend, in host memory laid
-        out as ``store_options`` says."""
+        out as ``store_options`` says, with fp32 masters as ``masters`` says."""
         self.optimizer = optimizer
         self._adapter = adapter
         self._scheduler = scheduler
         self._backend: DeviceBackend = scheduler.backend
         self._store_options = store_options
-        self.master_weights = master_weights
+        self.masters = masters
         self.generation = 0
         """Moves whenever the store, its slots, the parameters or the entries bound to a plan change."""
         self._store: StateStore | None = None
@@ -122,9 +119,6 @@ class StateSync:
     def ordered_params_with_groups(self) -> list[tuple[int, torch.Tensor]]:
         return ordered_params_with_groups(self.param_groups)
 
-    def as_updated(self, param: torch.Tensor) -> torch.Tensor:
-        return as_updated(param, master_weights=self.master_weights)
-
     # -- following what the user did to state and param_groups -----------------------
     def follow_edits(self, ordered: list[torch.Tensor]) -> None:
         """Bring the swap runtime in line with what was done to ``param_groups`` and ``state`` since the last look.
@@ -157,8 +151,7 @@ class StateSync:
 
     def _params_changed(self) -> None:
         ordered = self.ordered_params()
-        if self.master_weights:
-            check_master_weights_supported(self.optimizer, self._adapter, ordered)
+        self.masters.check_supported(self.optimizer, self._adapter, ordered)
         self._adapter.params_changed(ordered)  # may refuse: nothing has changed yet
         self.changed()
         self._adopt_params()
@@ -250,7 +243,7 @@ class StateSync:
             self._adapter,
             params,
             error,
-            master_weights=self.master_weights,
+            masters=self.masters,
             masters_to_make=masters_to_make,
         )
 
@@ -263,7 +256,7 @@ class StateSync:
             for group_index, param in params_with_grad
             if is_fresh(self.state.get(param) or {})
             for key, template in self._adapter.expected_states(
-                self.as_updated(param), self.param_groups[group_index]
+                self.masters.as_updated(param), self.param_groups[group_index]
             ).items()
         ]
         if fresh:
@@ -282,15 +275,13 @@ class StateSync:
             with store.all_or_nothing():
                 for param, initial in fresh:
                     state = self.state[param]
-                    masters = self.master_weights and has_master(param)
-                    values = dict(initial)
-                    if masters:  # the master starts as the parameter, exactly (fp32 holds every bf16/fp16 value)
-                        values[MASTER_KEY] = StateInit(tuple(param.shape), torch.float32)
+                    values = {**initial, **self.masters.fresh_master(param)}
                     for key, value in values.items():
                         state[key] = value
                         if not isinstance(value, StateInit):
                             continue
-                        source: StateSource = param.detach() if masters and key == MASTER_KEY else float(value.fill)
+                        # The master starts as the parameter, exactly (fp32 holds every bf16/fp16 value).
+                        source: StateSource = param.detach() if key == MASTER_KEY else float(value.fill)
                         if store.should_swap(key, value):
                             new.append((_slot_for(param, key, value), source))
                         else:

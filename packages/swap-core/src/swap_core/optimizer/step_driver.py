@@ -62,7 +62,7 @@ class StepDriver:
         self.setup = setup
         self.sync = sync
         self.plans = plans
-        self.prefetching = Prefetching(owner, setup, plans, from_backward=setup.config.prefetch == "backward")
+        self.prefetching = Prefetching(owner, setup, plans, from_backward=setup.prefetch_from_backward)
 
     @property
     def transfers_started(self) -> bool:

@@ -152,7 +152,7 @@ class StepRun:
         """The journal of this step, or ``None``: kept for a step that creates every state it updates (then undoing
         it costs a copy of its parameters only), and for every step with ``SwapConfig(undo_failed_steps=True)``
         (see :mod:`~swap_core.runtime.step_journal`)."""
-        undo_every_step = self.setup.config.undo_failed_steps
+        undo_every_step = self.setup.undo_failed_steps
         if not undo_every_step and self.plans.states_complete():
             return None  # the usual step: no per-parameter scan
         params = [param for _, param in self.params_with_grad()]

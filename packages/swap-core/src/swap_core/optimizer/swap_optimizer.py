@@ -24,6 +24,7 @@ from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
+from ..master_weights.policy import masters_policy
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
 from ..stats import SwapStats
@@ -35,7 +36,6 @@ from .wrapping import (
     WRAPPERS,
     check_arguments,
     check_distinct_params,
-    check_master_weights_supported,
     check_wrapped_state,
     exported,
     group_params,
@@ -89,12 +89,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.config = config
         self._adapter_factory = adapter_factory
-        self.adapter: StateSwapAdapter = make_adapter(optimizer, config, adapter_factory)
+        self._masters = masters_policy(config.master_weights)
+        self.adapter: StateSwapAdapter = make_adapter(optimizer, self._masters, adapter_factory)
         check_outside_step_methods(type(self), optimizer, self.adapter)
         self.backend: DeviceBackend | None = select_backend(
             config.backend, ordered_params(optimizer.param_groups), master_weights=config.master_weights
         )
-        check_wrapped_state(optimizer, self.adapter, config, self.backend)
+        check_wrapped_state(optimizer, self.adapter, config, self._masters, self.backend)
         self.stats = SwapStats()
         self.trace: StepTrace | None = None
         """The pipeline timeline of the last step when ``config.trace`` is on."""
@@ -106,7 +107,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             # First post-hook: user hooks see the checkpoint form of the state dict.
             self.register_state_dict_post_hook(exported(self.adapter), prepend=True)
             self._swapping: Swapped | NothingSwapped = start_swapping(
-                self, optimizer, self.adapter, config, self.backend
+                self, optimizer, self.adapter, config, self._masters, self.backend
             )
         except BaseException:
             # The wrapped optimizer is left as it was: its own state mapping, none of swap's hooks.
@@ -358,8 +359,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise RuntimeError("SwapOptimizer is not initialized")
         param_group["params"] = group_params(param_group)  # as torch's add_param_group does (a generator once)
         check_distinct_params([*self.param_groups, param_group])
-        if self.config.master_weights:
-            check_master_weights_supported(self.optimizer, self.adapter, param_group["params"])
+        self._masters.check_supported(self.optimizer, self.adapter, param_group["params"])
         self._swapping.add_param_group(param_group)
 
     def reset_optimizer_parameters(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:

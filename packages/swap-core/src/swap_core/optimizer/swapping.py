@@ -16,7 +16,7 @@ from ..adapters.base import StateSwapAdapter
 from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend, ModeledTimes
 from ..config import SwapConfig
-from ..master_weights.outside_step import outside_step_on_masters
+from ..master_weights.policy import Masters
 from ..runtime.pipeline import drain_in_flight_copies
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
@@ -40,6 +40,7 @@ def start_swapping(
     optimizer: torch.optim.Optimizer,
     adapter: StateSwapAdapter,
     config: SwapConfig,
+    masters: Masters,
     backend: DeviceBackend | None,
 ) -> Swapped | NothingSwapped:
     """Take over ``optimizer``'s states for ``owner`` (its wrapper) on ``backend``: the setup decided, the host
@@ -48,14 +49,13 @@ def start_swapping(
         return NothingSwapped(optimizer, adapter)
     driver_type: type[StepDriver] = InBackward if config.step == "in_backward" else AfterBackward
     driver_type.check_supported(adapter, ordered_params(optimizer.param_groups))
-    setup = decide_setup(optimizer, adapter, config, backend, driver_type)
+    setup = decide_setup(optimizer, adapter, config, backend, masters, driver_type)
     # Copies in flight are waited for when the wrapper is collected, before its host buffers go.
     weakref.finalize(owner, drain_in_flight_copies, setup.scheduler)
-    sync = StateSync(optimizer, adapter, setup.scheduler, setup.store_options, master_weights=config.master_weights)
+    sync = StateSync(optimizer, adapter, setup.scheduler, setup.store_options, masters)
     plans = PlanCache(setup, sync)
     sync.start()  # existing states move to host memory (may find the host too small)
-    if config.master_weights:
-        make_masters_of_existing_states(sync, adapter, STATES_BEFORE_WRAPPING)
+    make_masters_of_existing_states(sync, adapter, STATES_BEFORE_WRAPPING)
     return Swapped(setup, sync, plans, driver_type(owner, setup, sync, plans))
 
 
@@ -113,11 +113,9 @@ class Swapped:
         prefetch is dropped first; with master weights it runs over the fp32 masters, one parameter at a time."""
         self.synchronize()
         self.setup.scheduler.discard_prefetch()
-        if not self.setup.config.master_weights:
-            return call()
         sync = self.sync
         sync.follow_edits(sync.ordered_params())  # the slots are the states the method is to see
-        return outside_step_on_masters(sync.optimizer, self.setup.backend, sync.store.slots, call, method=name)
+        return self.setup.masters.outside_step(sync.optimizer, self.setup.backend, sync.store.slots, call, method=name)
 
     def swap_plan(self) -> SwapPlan:
         self._make_missing_states()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import weakref
@@ -16,19 +15,15 @@ from ..adapters.overrides import check_instance_step
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
-from ..master_weights.loading import masters_set_aside
-from ..master_weights.params import has_master, master_problem, stand_in, without_master
+from ..master_weights.policy import Masters
 from ..runtime.auto_batches import AUTO_NEEDS_MEMORY
-from ..runtime.state_keys import MASTER_KEY
 from ..torch_compat import remove_hooks
 
 __all__ = [
     "WRAPPERS",
     "Wrapper",
-    "as_updated",
     "check_arguments",
     "check_distinct_params",
-    "check_master_weights_supported",
     "check_not_wrapped",
     "check_state_assignable",
     "check_states",
@@ -87,12 +82,12 @@ def check_arguments(
 
 
 def make_adapter(
-    optimizer: torch.optim.Optimizer, config: SwapConfig, adapter_factory: AdapterFactory
+    optimizer: torch.optim.Optimizer, masters: Masters, adapter_factory: AdapterFactory
 ) -> StateSwapAdapter:
     """The family adapter of ``optimizer``. It reads existing states as its optimizer would have made them (a deep
     copy's, a checkpoint's loaded before wrapping): with master weights, the masters (swap's, not the
     optimizer's) are set aside meanwhile."""
-    with masters_set_aside(optimizer) if config.master_weights else contextlib.nullcontext():
+    with masters.set_aside(optimizer):
         return adapter_factory(optimizer)
 
 
@@ -100,16 +95,16 @@ def check_wrapped_state(
     optimizer: torch.optim.Optimizer,
     adapter: StateSwapAdapter,
     config: SwapConfig,
+    masters: Masters,
     backend: DeviceBackend | None,
 ) -> None:
     """The refusals that need the adapter and the backend: unknown ``state_keys``, ``swap_times="auto"`` without a
     measure of device memory, master weights the family cannot keep, states the update could not use."""
     params = ordered_params(optimizer.param_groups)
-    swap_keys(optimizer, adapter, config)  # refuses unknown state_keys
+    swap_keys(optimizer, adapter, config, masters)  # refuses unknown state_keys
     if config.swap_times == "auto" and backend is not None and backend.available_device_bytes() is None:
         raise ValueError(AUTO_NEEDS_MEMORY.format(backend=backend.name))
-    if config.master_weights:
-        check_master_weights_supported(optimizer, adapter, params)
+    masters.check_supported(optimizer, adapter, params)
     if backend is not None:  # unswapped (CPU parameters), the wrapped optimizer's step takes any state
         # States made before wrapping without masters (Adagrad's constructor makes them) get theirs at wrapping.
         check_states(
@@ -117,7 +112,7 @@ def check_wrapped_state(
             adapter,
             ordered_params_with_groups(optimizer.param_groups),
             UnsupportedOptimizerError,
-            master_weights=config.master_weights,
+            masters=masters,
             masters_to_make=True,
         )
 
@@ -165,35 +160,16 @@ def check_distinct_params(groups: Sequence[Mapping[str, Any]]) -> None:
             )
 
 
-def check_master_weights_supported(
-    optimizer: torch.optim.Optimizer, adapter: StateSwapAdapter, params: Sequence[torch.Tensor]
-) -> None:
-    """``master_weights=True`` where this release cannot keep its promise: refused before anything changes.
-
-    Only parameters that get a master count; with none (fp32 parameters only) there is nothing to refuse.
-    """
-    if not any(has_master(param) for param in params):
-        _LOG.info("master_weights=True, but no parameter is bfloat16 or float16: no master copy is made")
-        return
-    reason = adapter.master_weights_unsupported
-    if reason is not None:
-        raise UnsupportedOptimizerError(
-            f"master_weights=True is not supported yet for {type(optimizer).__name__} through "
-            f"{type(adapter).__name__}: {reason}. Adam, AdamW, RMSprop, Muon and the optimizers swap-generic runs "
-            "support it (FSDP2 and HSDP included), or keep master_weights=False"
-        )
-
-
 def swap_keys(
-    optimizer: torch.optim.Optimizer, adapter: StateSwapAdapter, config: SwapConfig
+    optimizer: torch.optim.Optimizer, adapter: StateSwapAdapter, config: SwapConfig, masters: Masters
 ) -> tuple[str, ...] | None:
     """The state keys to swap (``None``: any), the requested ones checked against those the optimizer creates:
     a typo (``"momentum"`` for ``"momentum_buffer"``) would otherwise swap nothing, silently."""
     declared = adapter.swappable_keys
     # A family that swaps any key may still know the ones its optimizer creates (swap-generic's probe).
     known = tuple(sorted(adapter.created_keys)) if declared is None and adapter.created_keys else declared
-    if known is not None and config.master_weights:
-        known = (*known, MASTER_KEY)
+    if known is not None:
+        known = (*known, *masters.state_keys)
     requested = config.state_keys
     if requested is None:
         return None if declared is None else known
@@ -272,7 +248,7 @@ def check_states(
     params: Sequence[tuple[int, torch.Tensor]],
     error: Callable[[str], Exception],
     *,
-    master_weights: bool,
+    masters: Masters,
     masters_to_make: bool = False,
 ) -> None:
     """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use.
@@ -284,13 +260,9 @@ def check_states(
         state = optimizer.state.get(param)
         if not state:
             continue
-        problem = None
-        if master_weights and has_master(param):
-            if not (masters_to_make and MASTER_KEY not in state):
-                problem = master_problem(param, state)
-            state = without_master(state)
+        problem, state = masters.state_problem(param, state, to_make=masters_to_make)
         if problem is None:
-            updated = as_updated(param, master_weights=master_weights)
+            updated = masters.as_updated(param)
             problem = adapter.state_mismatch(updated, optimizer.param_groups[group_index], state)
         if problem is not None:
             raise error(
@@ -298,8 +270,3 @@ def check_states(
                 f"{problem}: {type(optimizer).__name__}'s update cannot use it, and nothing was changed. "
                 "Load a complete checkpoint, or reset the entry (del optimizer.state[param]) to start it afresh"
             )
-
-
-def as_updated(param: torch.Tensor, *, master_weights: bool) -> torch.Tensor:
-    """What the update runs on, as the adapter is asked about it: an fp32 stand-in for a master's parameter."""
-    return stand_in(param) if master_weights and has_master(param) else param

@@ -175,7 +175,7 @@ class InBackward(StepDriver):
                         raise
 
     def _update_ready_batches(self, now: _SinceStep, started: _Started) -> None:
-        walk, scheduler, free = started.walk, self.setup.scheduler, self.setup.config.free_gradients
+        walk, scheduler, free = started.walk, self.setup.scheduler, self.setup.free_gradients
         ordered = False
         while (batch := walk.next_batch) is not None and _ready(now.final, batch.params):
             if not ordered:
