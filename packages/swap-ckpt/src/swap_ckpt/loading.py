@@ -53,6 +53,20 @@ def load_checkpoint(
         if isinstance(state_dict[key], AppState):  # saved without master weights, loaded with them
             optim = targets[key][OPTIM_KEY]
             targets[key][OPTIM_KEY] = as_saved_without_masters(optim, metadata, f"{key}.{OPTIM_KEY}")
+    _load_with_plain_exceptions(targets, checkpoint_dir, process_group)
+    for key in keys:
+        value = state_dict[key]
+        if isinstance(value, Stateful):
+            value.load_state_dict(targets[key])
+        else:
+            state_dict[key] = targets[key]
+
+
+def _load_with_plain_exceptions(
+    targets: dict[str, Any], checkpoint_dir: str | os.PathLike[str], process_group: dist.ProcessGroup | None
+) -> None:
+    """``dcp.load`` into ``targets``, strictly checked, raising the lowest failing rank's own exception (chained to
+    DCP's ``CheckpointException``) instead of the gathered one."""
     try:
         load(
             targets,
@@ -66,12 +80,6 @@ def load_checkpoint(
             raise
         first_rank = min(failures)
         raise failures[first_rank][0] from gathered
-    for key in keys:
-        value = state_dict[key]
-        if isinstance(value, Stateful):
-            value.load_state_dict(targets[key])
-        else:
-            state_dict[key] = targets[key]
 
 
 def _load_target(value: Any, *, in_place: bool) -> Any:

@@ -42,22 +42,7 @@ def select_backend(
             raise ValueError(f"Backend {spec.name!r} does not own parameters on {device}")
         return spec
     if spec == "auto":
-        if device.type != "cpu":
-            return _accelerator(device.type, device.index)
-        if not master_weights:
-            if devices:
-                warnings.warn(
-                    "The parameters are on the CPU, so nothing is swapped: backend='auto' swaps the states of "
-                    "accelerator parameters, and the optimizer steps here as it would unwrapped (opt.stats stays "
-                    "at zero). To try swapping without an accelerator, use SwapConfig(backend='sim'), the simulated "
-                    "accelerator",
-                    UserWarning,
-                    stacklevel=4,
-                )
-            return None
-        from .backends.cpu import CpuBackend
-
-        return CpuBackend()
+        return _auto_backend(device, has_params=bool(devices), master_weights=master_weights)
     if spec == "sim":
         if device.type != "cpu":
             raise ValueError(f"backend='sim' simulates an accelerator over CPU memory; parameters are on {device}")
@@ -67,6 +52,27 @@ def select_backend(
     if device.type != spec:
         raise ValueError(f"backend={spec!r} but the parameters are on {device}; move the model there first")
     return _accelerator(spec, device.index)
+
+
+def _auto_backend(device: torch.device, *, has_params: bool, master_weights: bool) -> DeviceBackend | None:
+    """What ``backend="auto"`` picks for parameters on ``device``: that accelerator's backend; on the CPU, no
+    swapping (said in a warning when there are parameters), or a ``CpuBackend`` with ``master_weights``."""
+    if device.type != "cpu":
+        return _accelerator(device.type, device.index)
+    if not master_weights:
+        if has_params:
+            warnings.warn(
+                "The parameters are on the CPU, so nothing is swapped: backend='auto' swaps the states of "
+                "accelerator parameters, and the optimizer steps here as it would unwrapped (opt.stats stays "
+                "at zero). To try swapping without an accelerator, use SwapConfig(backend='sim'), the simulated "
+                "accelerator",
+                UserWarning,
+                stacklevel=5,  # past this function, select_backend, SwapOptimizer.__init__ and swap_optimizer
+            )
+        return None
+    from .backends.cpu import CpuBackend
+
+    return CpuBackend()
 
 
 def _accelerator(device_type: str, index: int | None) -> DeviceBackend:

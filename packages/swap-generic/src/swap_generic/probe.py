@@ -230,6 +230,17 @@ class _Outcome:
     failure: str | None
     """The type and message of an exception a step raised (both runs must fail alike)."""
 
+    @classmethod
+    def left_by(cls, twin: torch.optim.Optimizer, standins: list[torch.Tensor], failure: str | None) -> _Outcome:
+        """What ``twin`` holds over ``standins`` now (its param groups without their params)."""
+        return cls(
+            params=[standin.detach() for standin in standins],
+            states=[dict(twin.state.get(standin, {})) for standin in standins],
+            others={repr(key): value for key, value in twin.state.items() if not any(key is s for s in standins)},
+            groups=[{key: value for key, value in group.items() if key != "params"} for group in twin.param_groups],
+            failure=failure,
+        )
+
     def difference(self, other: _Outcome) -> str | None:
         if self.failure != other.failure:
             return f"failed differently ({self.failure or 'no error'} against {other.failure or 'no error'})"
@@ -298,13 +309,9 @@ def _stepped(
     """A twin of ``optimizer`` over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps (``with_graph``:
     their gradients carry a graph, see :func:`_with_graph`)."""
     generator = torch.Generator().manual_seed(_SEED)
-    shapes = [tuple(sizes[: like.dim()]) for sizes in (_SIZES, _OTHER_SIZES)]
     # Meta tensors hold no values to compare (swap-bench's planner steps them): the stand-ins live on the CPU.
     device = torch.device("cpu") if like.is_meta else like.device
-    standins: list[torch.Tensor] = [
-        torch.nn.Parameter(torch.randn(shape, generator=generator).to(device=device, dtype=torch.float32))
-        for shape in shapes
-    ]
+    standins = _standins(like.dim(), device, generator)
     failure: str | None = None
     with _seeded_rng(device):
         twin = _twin(optimizer, index, standins, constructed=constructed)
@@ -335,13 +342,17 @@ def _stepped(
             if not apart and step_index == 0:
                 return _Unknown(f"its step failed on stand-in parameters: {type(error).__name__}: {error}")
             failure = f"{type(error).__name__}: {error}"
-    return _Outcome(
-        params=[standin.detach() for standin in standins],
-        states=[dict(twin.state.get(standin, {})) for standin in standins],
-        others={repr(key): value for key, value in twin.state.items() if not any(key is s for s in standins)},
-        groups=[{key: value for key, value in group.items() if key != "params"} for group in twin.param_groups],
-        failure=failure,
-    )
+    return _Outcome.left_by(twin, standins, failure)
+
+
+def _standins(dim: int, device: torch.device, generator: torch.Generator) -> list[torch.Tensor]:
+    """Two fp32 stand-in parameters on ``device``, of ``dim`` dimensions and different shapes, drawn from
+    ``generator``."""
+    shapes = [tuple(sizes[:dim]) for sizes in (_SIZES, _OTHER_SIZES)]
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(device=device, dtype=torch.float32))
+        for shape in shapes
+    ]
 
 
 def _with_graph(standins: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:

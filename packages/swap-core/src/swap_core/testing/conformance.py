@@ -230,11 +230,16 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     import pytest
 
     case_param = pytest.mark.parametrize("case", cases, ids=str)
-    return {**_stepping_tests(case_param), **_state_tests(case_param), **_master_and_habit_tests(case_param)}
+    return {
+        **_parity_tests(case_param),
+        **_accounting_tests(case_param),
+        **_state_tests(case_param),
+        **_master_and_habit_tests(case_param),
+    }
 
 
-def _stepping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
-    """Parity under every schedule, layout and option, and exact accounting."""
+def _parity_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
+    """Parity under every schedule, layout and option."""
     import pytest
 
     layouts = pytest.mark.parametrize(
@@ -270,6 +275,13 @@ def _stepping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[...,
         _require_device_type(case, backend_name)
         check_parity(case, swap_backend_factory(mode=mode, seed=seed), **options)
 
+    return {"test_conformance_parity": test_conformance_parity, "test_conformance_options": test_conformance_options}
+
+
+def _accounting_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
+    """Exact accounting, packed and per tensor, under every batching."""
+    import pytest
+
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
     @pytest.mark.parametrize("swap_times,buffers", ACCOUNTING_BATCHING, ids=BATCHING_IDS)
@@ -286,11 +298,7 @@ def _stepping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[...,
         backend = swap_backend_factory(mode="lazy")
         check_accounting(case, backend, packed=packed, swap_times=swap_times, staging_buffers=buffers)
 
-    return {
-        "test_conformance_parity": test_conformance_parity,
-        "test_conformance_options": test_conformance_options,
-        "test_conformance_accounting": test_conformance_accounting,
-    }
+    return {"test_conformance_accounting": test_conformance_accounting}
 
 
 def _state_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:

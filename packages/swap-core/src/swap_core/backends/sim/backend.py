@@ -25,8 +25,9 @@ from .faults import is_count
 from .host_buffers import SimHostBuffers
 from .machine import SimMachine
 from .memory import HOST_KINDS, MemoryKind, storage_key
+from .modeled_time import SimModeledTime
+from .ordering import SimOrdering
 from .race_checker import OnRace
-from .streams import QueuedWait
 from .timing import LinkModel, ModeledTimes
 
 if TYPE_CHECKING:
@@ -130,6 +131,8 @@ class SimBackend:
         self.copy_stats = self._copies.stats
         """Copies and bytes per direction since construction or :meth:`reset_copy_stats`."""
         self._host = SimHostBuffers(machine, self)
+        self._ordering = SimOrdering(machine)
+        self._modeled_time = SimModeledTime(machine)
 
     def __repr__(self) -> str:
         return (
@@ -281,11 +284,7 @@ class SimBackend:
 
     def new_stream(self) -> Stream:
         """A copy stream: a queue that runs when forced (see ``mode``)."""
-        machine = self._machine
-        stream = machine.scheduler.new_stream()
-        if machine.race_checker is not None:
-            machine.race_checker.add_agent(stream.name)
-        return stream
+        return self._ordering.new_stream()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, stream: Stream) -> None:
         """Issue ``dst.copy_(src)`` on ``stream``; it runs at once on the compute stream, in sync mode, or when
@@ -305,8 +304,7 @@ class SimBackend:
         Every event is stamped with the host clock when it completes (see :meth:`elapsed_seconds`);
         ``timing`` changes nothing here.
         """
-        self._machine.tick()
-        return self._machine.record_event(self._machine.own_stream(stream))
+        return self._ordering.record_event(stream)
 
     def elapsed_seconds(self, start: Event, end: Event) -> float:
         """Simulated time between two events: host time between their completions (runs their streams up to them).
@@ -315,41 +313,15 @@ class SimBackend:
         was recorded, in ``lazy`` and ``random`` mode whenever that work was forced to run. With ``timing``,
         the virtual time between them instead (traces then show the modeled timeline, with its overlap).
         """
-        start_event, end_event = self._machine.own_event(start), self._machine.own_event(end)
-        if start_event.modeled_at is not None and end_event.modeled_at is not None:
-            return end_event.modeled_at - start_event.modeled_at
-        start_event.synchronize()
-        end_event.synchronize()
-        assert start_event.completed_at is not None and end_event.completed_at is not None
-        return end_event.completed_at - start_event.completed_at
+        return self._ordering.elapsed_seconds(start, end)
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """A copy stream queues the wait; the eager compute stream runs the event's stream up to it right away."""
-        machine = self._machine
-        machine.tick()
-        sim_stream, sim_event = machine.own_stream(stream), machine.own_event(event)
-        if machine.race_checker is not None and sim_event.snapshot is not None:
-            machine.race_checker.wait(sim_stream.name, sim_event.snapshot)
-        if machine.clock is not None and sim_event.modeled_at is not None:
-            machine.clock.wait(sim_stream.name, sim_event.modeled_at)
-        if sim_event.done:
-            return
-        if sim_stream.is_compute:
-            machine.scheduler.force(sim_event.stream, sim_event.position)
-            return
-        machine.scheduler.enqueue(sim_stream, QueuedWait(sim_event))
-        if machine.sync:
-            machine.scheduler.drain(sim_stream)
+        self._ordering.wait_event(stream, event)
 
     def synchronize(self) -> None:
         """Run every queue to its end; the host is then ordered after all issued work."""
-        machine = self._machine
-        machine.tick()
-        machine.scheduler.drain_all()
-        if machine.race_checker is not None:
-            machine.race_checker.host_waits_all()
-        if machine.clock is not None:
-            machine.clock.host_waits(machine.clock.latest())
+        self._ordering.synchronize()
 
     @property
     def host_is_device(self) -> bool:
@@ -379,47 +351,25 @@ class SimBackend:
     def read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor.to("cpu")`` of a device tensor: the current stream's queued work runs first, the host waits for
         that stream and, on the virtual clock, for the bytes to cross the link too; the copy is plain memory."""
-        machine = self._machine
-        machine.tick()
-        stream = machine.issue_on_current()
-        if machine.race_checker is not None:
-            machine.race_checker.host_waits_for(stream)
-        if machine.clock is not None:
-            nbytes = tensor.numel() * tensor.element_size()
-            machine.clock.host_waits(machine.clock.issue_transfer(stream, "d2h", nbytes))
-        return tensor.detach().clone()
+        return self._ordering.read_to_host(tensor)
 
     def model_compute(self, seconds: float) -> None:
         """Put ``seconds`` of modeled work (a forward and backward) on the compute stream's virtual timeline."""
-        clock = self._machine.clock
-        if clock is None:
-            raise ValueError("model_compute needs a virtual clock: SimBackend(timing=LinkModel(...))")
-        if not seconds >= 0:
-            raise ValueError(f"model_compute needs seconds >= 0, got {seconds!r}")
-        clock.issue(self._machine.current_stream().name, seconds)
+        self._modeled_time.model_compute(seconds)
 
     def model_host_read(self) -> None:
         """The host reads a value the current stream computes (``loss.item()``): on the virtual clock it waits for
         that stream's work so far."""
-        clock = self._machine.clock
-        if clock is None:
-            raise ValueError("model_host_read needs a virtual clock: SimBackend(timing=LinkModel(...))")
-        clock.host_waits(clock.free_at(self._machine.current_stream().name))
+        self._modeled_time.model_host_read()
 
     def modeled_times(self) -> ModeledTimes | None:
         """Where the virtual clock stands now, or ``None`` without ``timing``."""
-        clock = self._machine.clock
-        if clock is None:
-            return None
-        copies = [clock.free_at(stream.name) for stream in self._machine.scheduler.copy_streams]
-        compute = clock.free_at(self._machine.current_stream().name)
-        return ModeledTimes(clock.host, compute, max(copies, default=0.0), clock.transfers_started)
+        return self._modeled_time.modeled_times()
 
     def start_transfer_window(self) -> None:
         """From now on, :meth:`modeled_times` notes when the first copy issued starts (``transfers_started``), on the
         copy streams' timelines; nothing without ``timing``."""
-        if self._machine.clock is not None:
-            self._machine.clock.start_transfer_window()
+        self._modeled_time.start_transfer_window()
 
     # -- simulator extras ------------------------------------------------------
     def fail_copy(self, at: int, direction: str | None = None) -> None:
