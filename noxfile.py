@@ -1,8 +1,9 @@
 """The one task runner of the swap monorepo.
 
-``nox`` runs lint, typecheck, tests (one session per package), integration, kernels (the tests comparing figures
-with docs, under torch's portable CPU kernels), docs, docs_snippets (every Python snippet of README.md and docs/),
-build (wheels and sdists, checked) and install_matrix (fresh environments installing subsets of the built wheels).
+``nox`` runs lint, typecheck, tests (one session per package), integration, device_perf_dry_run (the GPU speed script
+tools/device-perf.sh on the simulator), kernels (the tests comparing figures with docs, under torch's portable CPU
+kernels), docs, docs_snippets (every Python snippet of README.md and docs/), build (wheels and sdists, checked) and
+install_matrix (fresh environments installing subsets of the built wheels).
 ``nox -s demo`` trains a small GPT with plain and swapped AdamW and plots it (examples/train_gpt.py), ``nox -s
 demo_bf16`` the same GPT in bf16 with and without master weights (examples/train_gpt_bf16.py);
 ``nox -s thirdparty`` checks swap-generic over third-party optimizers, ``nox -s integrations`` the
@@ -59,6 +60,7 @@ nox.options.sessions = [
     "typecheck",
     "tests",
     "integration",
+    "device_perf_dry_run",
     "kernels(kernels='default')",
     "docs",
     "docs_snippets",
@@ -227,6 +229,19 @@ def integration(session: nox.Session) -> None:
             raise
         # Exit 5 with test modules present means the arguments deselected every test.
         session.log(f"pytest collected no integration tests with arguments {session.posargs!r}; nothing ran.")
+
+
+@nox.session
+def device_perf_dry_run(session: nox.Session) -> None:
+    """tools/device-perf.sh on the simulator with tiny sizes: the GPU speed script runs in CI, so it cannot rot.
+
+    The same script, rows and report as on a lent GPU (docs/hardware.md), each row in a process of its own, the
+    packages from the editable install instead of wheels; ``--check-parity`` fails it when a swapped row's parameters
+    are not bitwise the plain optimizer's. About 30 s on the 2-core CI machine. Arguments after ``--`` go to
+    ``swap-bench device-perf``.
+    """
+    install_workspace(session)
+    session.run("bash", "tools/device-perf.sh", "sim", "--check-parity", *session.posargs, external=True)
 
 
 FIGURE_TESTS = (

@@ -34,6 +34,9 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["plan", "--world", "4", "--rank", "4"], "--rank must be in [0, 4) for --world 4, got 4"),
         (["narrowing", "--batches", "0"], "argument --batches: must be an integer >= 1, got 0"),
         (["narrowing", "--threads", "0"], "argument --threads: must be an integer >= 1, got 0"),
+        (["device-perf", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+        (["device-perf", "--budget-s", "0"], "argument --budget-s: must be an integer >= 1, got 0"),
+        (["device-perf", "--device-memory", "lots"], "argument --device-memory: must be a size such as 80GB"),
     ],
 )
 def test_a_count_that_cannot_be_is_an_error_line(
@@ -42,7 +45,9 @@ def test_a_count_that_cannot_be_is_an_error_line(
     assert words in _error(argv, capsys)
 
 
-@pytest.mark.parametrize("command", [[], ["plan"], ["narrowing"]], ids=["bench", "plan", "narrowing"])
+@pytest.mark.parametrize(
+    "command", [[], ["plan"], ["narrowing"], ["device-perf"]], ids=["bench", "plan", "narrowing", "device-perf"]
+)
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -54,6 +59,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_an_accelerator_this_build_lacks_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    line = _error(["--backend", "cuda"], capsys)
+@pytest.mark.parametrize("command", [[], ["device-perf"]], ids=["bench", "device-perf"])
+def test_an_accelerator_this_build_lacks_is_one_line(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    line = _error([*command, "--backend", "cuda"], capsys)
     assert "--backend cuda: torch" in line and "has no usable cuda device here (use --backend sim, or auto)" in line

@@ -21,6 +21,7 @@ WITHOUT_A_SHOWN_DEFAULT = {
         "--tokens": "no whole-iteration rows",
     },
     "narrowing": {"--quick": "switch"},
+    "device-perf": {"--check-parity": "switch"},
 }
 
 

@@ -12,13 +12,14 @@ from rich.console import Console
 from rich.progress import Progress
 
 from swap_core import DeviceBackend
-from swap_core.backends.accelerator import accelerator_available
 from swap_core.config import BACKEND_NAMES
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
 from .arguments import command_parser, count, output_file, positive_count
+from .bench_backend import bench_backend, refuse_a_missing_accelerator
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
+from .device_perf import device_perf_main, device_perf_parser
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
 from .measure import RowConfig, measure_comparison, measure_row
@@ -141,21 +142,25 @@ SMOKE_RUN = (
 """Said after a ``--quick`` run's table."""
 
 COMMANDS = """commands:
-  swap-bench [options]            measure swapped against plain steps on this machine (below)
-  swap-bench plan [options]       model one rank of a real model (llama-70b...) on a link: bytes exact, time modeled
-  swap-bench narrowing [options]  the host time of swap-generic's narrowed step per batch
+  swap-bench [options]              measure swapped against plain steps on this machine (below)
+  swap-bench plan [options]         model one rank of a real model (llama-70b...) on a link: bytes exact, time modeled
+  swap-bench narrowing [options]    the host time of swap-generic's narrowed step per batch
+  swap-bench device-perf [options]  a bf16 decoder's training iterations, plain, swapped and CPU-offloaded, and the
+                                    link bandwidth the swapped steps achieve (a GPU; --backend sim: a dry run)
 each takes --help"""
 
 
 def parse_command(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
-    """The command ``swap-bench ARGV`` runs (``"measure"``, ``"plan"`` or ``"narrowing"``) and its options, read as
-    it would read them, without running anything: a documented command line can be checked this way. A bad option
-    exits as the command would (``SystemExit`` with status 2, the usage on stderr)."""
+    """The command ``swap-bench ARGV`` runs (``"measure"``, ``"plan"``, ``"narrowing"`` or ``"device-perf"``) and its
+    options, read as it would read them, without running anything: a documented command line can be checked this way.
+    A bad option exits as the command would (``SystemExit`` with status 2, the usage on stderr)."""
     arguments = list(argv)
     if arguments[:1] == ["plan"]:
         return "plan", plan_parser().parse_args(arguments[1:])
     if arguments[:1] == ["narrowing"]:
         return "narrowing", narrowing_parser().parse_args(arguments[1:])
+    if arguments[:1] == ["device-perf"]:
+        return "device-perf", device_perf_parser().parse_args(arguments[1:])
     return "measure", _measure_parser().parse_args(arguments)
 
 
@@ -163,22 +168,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report.
 
     ``swap-bench plan ...`` runs the planner instead (:func:`~swap_bench.planner.plan_main`), ``swap-bench
-    narrowing ...`` the narrowed-step measurement (:func:`~swap_bench.narrowing.narrowing_main`).
+    narrowing ...`` the narrowed-step measurement (:func:`~swap_bench.narrowing.narrowing_main`), ``swap-bench
+    device-perf ...`` training iterations on a device (:func:`~swap_bench.device_perf.device_perf_main`).
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["plan"]:
         return plan_main(arguments[1:])
     if arguments[:1] == ["narrowing"]:
         return narrowing_main(arguments[1:])
+    if arguments[:1] == ["device-perf"]:
+        return device_perf_main(arguments[1:])
     parser = _measure_parser()
     args = parser.parse_args(arguments)
-    if args.backend not in ("auto", "sim") and not accelerator_available(args.backend):
-        parser.error(
-            f"--backend {args.backend}: torch {torch.__version__} has no usable {args.backend} device here "
-            "(use --backend sim, or auto)"
-        )
+    refuse_a_missing_accelerator(parser, args.backend)
     torch.set_num_threads(args.threads)
-    backend_name, detail, factory = _backend(args.backend)
+    backend_name, detail, factory = bench_backend(args.backend)
     host_allocator = "system"
     if backend_name == "sim" and not args.system_allocator:
         host_allocator = keep_freed_host_memory() or "system (glibc mallopt unavailable)"
@@ -232,15 +236,7 @@ def _measure_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS), help="parameter sets"
     )
-    parser.add_argument(
-        "--threads", type=positive_count, default=1, help="torch CPU threads (the simulator's 'device')"
-    )
-    parser.add_argument(
-        "--warmup", type=count, default=None, help="steps before timing (default: 2, or 1 with --quick)"
-    )
-    parser.add_argument(
-        "--repeats", type=positive_count, default=None, help="timed steps (default: 9, or 1 with --quick)"
-    )
+    _add_timing_arguments(parser)
     parser.add_argument("--json", type=output_file, default="swap-bench.json", help="where to write the JSON report")
     parser.add_argument(
         "--compare",
@@ -264,20 +260,14 @@ def _measure_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _backend(name: str) -> tuple[str, str, Callable[[], DeviceBackend]]:
-    """The backend to benchmark: a real accelerator when asked for or present (``auto``), else the simulator."""
-    if name == "auto":
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        name = accelerator.type if accelerator is not None else "sim"
-    if name == "sim":
-        from swap_core.sim import SimBackend
-
-        # Sync mode without checks or poison: the simulator adds nothing per op, so timings mean host cost.
-        return (
-            "sim",
-            "SimBackend(mode='sync', check_races=False, poison=False)",
-            lambda: SimBackend(mode="sync", check_races=False, poison=False),
-        )
-    from swap_core.backends.accelerator import AcceleratorBackend
-
-    return name, f"AcceleratorBackend({name!r})", lambda: AcceleratorBackend(name)
+def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, ``--warmup`` and ``--repeats``: how each row's steps are timed."""
+    parser.add_argument(
+        "--threads", type=positive_count, default=1, help="torch CPU threads (the simulator's 'device')"
+    )
+    parser.add_argument(
+        "--warmup", type=count, default=None, help="steps before timing (default: 2, or 1 with --quick)"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_count, default=None, help="timed steps (default: 9, or 1 with --quick)"
+    )

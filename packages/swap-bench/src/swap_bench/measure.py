@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from swap_core import DeviceBackend, SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core import DeviceBackend, SwapConfig, SwapOptimizer, SwapStats, swap_optimizer
 from swap_core.views import planned_batches
 
 from .link import LinkBandwidth
@@ -100,26 +100,13 @@ def measure_row(
 ) -> RowResult:
     backend = backend_factory()
     plain_params, plain, swapped = _warmed_pair(row, backend, warmup)
-    sizes = _transfer_sizes(swapped)
-    if sum(map(sum, sizes)) != swapped.stats.h2d_bytes:
-        raise AssertionError(
-            f"the copies alone would move {sum(map(sum, sizes))} bytes, the step {swapped.stats.h2d_bytes}"
-        )
-    copies_alone = _CopiesAlone(backend, sizes)
-    plain_times, swapped_times, floor_times = _alternated(
-        (plain.step, swapped.step, copies_alone.copy), backend, repeats
-    )
-    copies_alone.release()
+    plain_times, swapped_times, floor_times = _alternated_with_copies_alone(plain, swapped, backend, repeats)
     stats = swapped.stats
     plain_s, swapped_s = statistics.median(plain_times), statistics.median(swapped_times)
     floor_s = stats.h2d_bytes / link.h2d + stats.d2h_bytes / link.d2h
     copies_alone_s = statistics.median(floor_times)
-    # Each swapped step is paired with the plain step timed just before it: load that drifts over the run
-    # cancels out of the differences, which the difference of the two medians does not do.
-    added_s = statistics.median(s - p for s, p in zip(swapped_times, plain_times, strict=True))
-    ideal_s = max(stats.h2d_bytes / link.h2d, stats.d2h_bytes / link.d2h) * (1 + 1 / stats.batches) + (
-        plain_s / stats.batches
-    )
+    added_s = _paired_median_difference(swapped_times, plain_times)
+    ideal_s = _ideal_step_seconds(stats, link, plain_s)
     return RowResult(
         workload=row.workload.name,
         optimizer=row.optimizer.name,
@@ -148,6 +135,37 @@ def measure_row(
         peak_state_device_bytes_unswapped=optimizer_state_bytes(plain),
         host_state_bytes=stats.host_state_bytes,
         host_pinned_bytes=stats.host_pinned_bytes,
+    )
+
+
+def _alternated_with_copies_alone(
+    plain: torch.optim.Optimizer, swapped: SwapOptimizer, backend: DeviceBackend, repeats: int
+) -> list[list[float]]:
+    """The seconds of the plain step, the swapped step and the swapped step's copies alone (:class:`_CopiesAlone`),
+    each timed ``repeats`` times, in turn."""
+    sizes = _transfer_sizes(swapped)
+    if sum(map(sum, sizes)) != swapped.stats.h2d_bytes:
+        raise AssertionError(
+            f"the copies alone would move {sum(map(sum, sizes))} bytes, the step {swapped.stats.h2d_bytes}"
+        )
+    copies_alone = _CopiesAlone(backend, sizes)
+    times = _alternated((plain.step, swapped.step, copies_alone.copy), backend, repeats)
+    copies_alone.release()
+    return times
+
+
+def _paired_median_difference(slower: Sequence[float], faster: Sequence[float]) -> float:
+    """The median of ``slower[i] - faster[i]``. Each swapped step is paired with the plain step timed just before
+    it: load that drifts over the run cancels out of the differences, which the difference of the two medians does
+    not do."""
+    return statistics.median(s - f for s, f in zip(slower, faster, strict=True))
+
+
+def _ideal_step_seconds(stats: SwapStats, link: LinkBandwidth, plain_s: float) -> float:
+    """The step of the performance model (docs/architecture.md): each direction's bytes over its link bandwidth, the
+    larger times ``1 + 1/k``, plus ``T_c/k`` (``k`` the batches, ``T_c`` the plain step)."""
+    return max(stats.h2d_bytes / link.h2d, stats.d2h_bytes / link.d2h) * (1 + 1 / stats.batches) + (
+        plain_s / stats.batches
     )
 
 
@@ -253,10 +271,7 @@ def measure_comparison(
     for _ in range(warmup):
         plain_step()
         baseline_step()
-    plain_times, baseline_times = [], []
-    for _ in range(repeats):  # alternate, so drifting machine load hits both alike
-        plain_times.append(_timed(plain_step, backend))
-        baseline_times.append(_timed(baseline_step, backend))
+    plain_times, baseline_times = _alternated((plain_step, baseline_step), backend, repeats)
     plain_s, baseline_s = statistics.median(plain_times), statistics.median(baseline_times)
     bitwise_equal = all(torch.equal(a, b) for a, b in zip(plain_params, baseline_params, strict=True))
     return ComparisonResult(

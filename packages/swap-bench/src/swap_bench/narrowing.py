@@ -100,7 +100,6 @@ class NarrowingRow:
 
 def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingConfig()) -> NarrowingRow:
     """Measure ``spec``'s optimizer over ``config``'s parameters (needs swap-generic)."""
-    from swap_generic import GenericAdapter
     from swap_generic.torch_compat import unhooked_step
 
     size = config.params_per_batch
@@ -108,17 +107,7 @@ def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingCo
     full = spec.build(full_params)
     split = [spec.build(split_params[j * size : (j + 1) * size]) for j in range(config.batches)]
     narrowed = spec.build(narrowed_params)
-    adapter = GenericAdapter(narrowed)
-    group = narrowed.param_groups[0]
-    shares: list[list[torch.Tensor]] = [narrowed_params[j * size : (j + 1) * size] for j in range(config.batches)]
-
-    def batches() -> list[UpdateBatch]:
-        # As swap-core hands them over: the batch's parameters, gradients and current state dicts.
-        return [
-            UpdateBatch(group, share, list(map(_grad, share)), [narrowed.state[p] for p in share], index)
-            for index, share in enumerate(shares)
-        ]
-
+    narrowed_step = _NarrowedStep(narrowed, [narrowed_params[j * size : (j + 1) * size] for j in range(config.batches)])
     full_step = unhooked_step(full)
     split_steps = [unhooked_step(optimizer) for optimizer in split]
 
@@ -126,18 +115,14 @@ def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingCo
         for step in split_steps:
             step()
 
-    def step_narrowed(ready: Sequence[UpdateBatch]) -> None:
-        with adapter.step_scope():
-            for batch in ready:
-                adapter.update(batch)
-
     for _ in range(config.warmup):
         full_step()
         step_split()
-        step_narrowed(batches())  # the first step creates the states
-    ready = batches()  # the state dicts stay the same objects from now on: built once, outside the timings
+        narrowed_step.run(narrowed_step.batches())  # the first step creates the states
+    # The state dicts stay the same objects from now on: the batches are built once, outside the timings.
+    ready = narrowed_step.batches()
     full_times, split_times, narrowed_times = _alternated_timings(
-        (full_step, step_split, lambda: step_narrowed(ready)), config.repeats
+        (full_step, step_split, lambda: narrowed_step.run(ready)), config.repeats
     )
     return NarrowingRow(
         optimizer=spec.name,
@@ -154,6 +139,34 @@ def measure_narrowing(spec: OptimizerSpec, config: NarrowingConfig = NarrowingCo
         added_per_batch_s=_per_batch(narrowed_times, full_times, config.batches),
         bitwise_equal=_agree(full, split, narrowed, full_params, split_params, narrowed_params),
     )
+
+
+class _NarrowedStep:
+    """swap-generic's narrowed step over one optimizer, as swap-core runs it: ``GenericAdapter.update`` of every
+    batch inside its ``step_scope``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, shares: list[list[torch.Tensor]]) -> None:
+        from swap_generic import GenericAdapter
+
+        self._optimizer = optimizer
+        self._adapter = GenericAdapter(optimizer)
+        self._group = optimizer.param_groups[0]
+        self._shares = shares
+        """Each batch's parameters."""
+
+    def batches(self) -> list[UpdateBatch]:
+        """As swap-core hands them over: each batch's parameters, gradients and current state dicts."""
+        state = self._optimizer.state
+        return [
+            UpdateBatch(self._group, share, list(map(_grad, share)), [state[p] for p in share], index)
+            for index, share in enumerate(self._shares)
+        ]
+
+    def run(self, ready: Sequence[UpdateBatch]) -> None:
+        """One narrowed step over the batches ``ready``."""
+        with self._adapter.step_scope():
+            for batch in ready:
+                self._adapter.update(batch)
 
 
 def _per_batch(slower: Sequence[float], faster: Sequence[float], batches: int) -> float:
@@ -262,6 +275,7 @@ def narrowing_main(argv: Sequence[str] | None = None) -> int:
         "modeled_rows": [],
         "narrowing_rows": [row.as_dict() for row in rows],
         "iteration_rows": [],
+        "device_perf_rows": [],
     }
     console.print(f"JSON report: {save_json(document, args.json)}")
     return 0 if all(row.bitwise_equal for row in rows) else 1

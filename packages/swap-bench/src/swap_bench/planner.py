@@ -76,14 +76,7 @@ def plan_model(
     The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own;
     Muon over more than one rank is distributed Muon, stepped on FSDP2 DTensors in a fake process group.
     """
-    if optimizer not in PLAN_OPTIMIZERS:
-        raise ValueError(f"Unknown planner optimizer {optimizer!r}; expected one of {PLAN_OPTIMIZERS}")
-    if link not in LINK_PRESETS:
-        raise ValueError(f"Unknown link preset {link!r}; expected one of {tuple(LINK_PRESETS)}")
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"Invalid rank {rank} of world {world}: expected 0 <= rank < world")
-    if ranks_per_node < 1:
-        raise ValueError(f"Invalid ranks_per_node: {ranks_per_node} (expected >= 1)")
+    _check_plan_arguments(optimizer, link, world=world, rank=rank, ranks_per_node=ranks_per_node)
     dtype = torch.bfloat16 if master_weights else torch.float32
     distributed = optimizer == "muon" and world > 1
     shapes = [shape for _, shape in model.parameter_shapes()]
@@ -107,6 +100,19 @@ def plan_model(
         staging_buffers=staging_buffers,
     )
     return model_step(step)
+
+
+def _check_plan_arguments(optimizer: str, link: str, *, world: int, rank: int, ranks_per_node: int) -> None:
+    """Refuse :func:`plan_model`'s arguments that name no planner optimizer or link preset, or no rank, naming the
+    value."""
+    if optimizer not in PLAN_OPTIMIZERS:
+        raise ValueError(f"Unknown planner optimizer {optimizer!r}; expected one of {PLAN_OPTIMIZERS}")
+    if link not in LINK_PRESETS:
+        raise ValueError(f"Unknown link preset {link!r}; expected one of {tuple(LINK_PRESETS)}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"Invalid rank {rank} of world {world}: expected 0 <= rank < world")
+    if ranks_per_node < 1:
+        raise ValueError(f"Invalid ranks_per_node: {ranks_per_node} (expected >= 1)")
 
 
 def recommend(
@@ -291,6 +297,16 @@ def plan_parser() -> argparse.ArgumentParser:
         default=[1],
         help="ranks sharing one host's memory bandwidth, each streaming its states as the modeled one (default 1)",
     )
+    _add_batching_arguments(parser)
+    parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
+    _add_iteration_arguments(parser)
+    _add_report_arguments(parser)
+    return parser
+
+
+def _add_batching_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--swap-times``, ``--staging-buffers`` and ``--device-memory``: the pipeline's batches, given or recommended
+    for the device memory left to the swap."""
     parser.add_argument("--swap-times", nargs="+", type=positive_count, default=[4], help="pipeline batches per step")
     parser.add_argument(
         "--staging-buffers",
@@ -308,10 +324,6 @@ def plan_parser() -> argparse.ArgumentParser:
         "20GB or 18GiB: recommends the fewest batches whose staging fits 80%% of it (swap_times='auto'), with the "
         "modeled step of one more batch and of twice as many, instead of --swap-times",
     )
-    parser.add_argument("--master-weights", action="store_true", help="bf16 parameters with fp32 masters swapped")
-    _add_iteration_arguments(parser)
-    _add_report_arguments(parser)
-    return parser
 
 
 def _add_iteration_arguments(parser: argparse.ArgumentParser) -> None:
@@ -371,6 +383,7 @@ def _plan_report(
         "modeled_rows": [row.as_dict() for row in rows],
         "narrowing_rows": [],
         "iteration_rows": [],
+        "device_perf_rows": [],
     }
 
 

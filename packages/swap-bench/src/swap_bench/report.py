@@ -28,12 +28,13 @@ __all__ = [
     "save_json",
 ]
 
-SCHEMA = "swap-bench/6"
+SCHEMA = "swap-bench/7"
 """Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``; 3:
 ``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds; 4: modeled rows' ``ranks_per_node`` and
 ``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share; 5:
 ``iteration_rows``, whole modeled iterations of ``plan --tokens``, empty in the other kinds; 6: modeled and
-iteration rows' ``staging_buffers``)."""
+iteration rows' ``staging_buffers``; 7: ``kind`` ``"device-perf"`` and ``device_perf_rows``, empty in the other
+kinds)."""
 
 
 @dataclasses.dataclass
@@ -72,6 +73,7 @@ class BenchReport:
             "modeled_rows": [row.as_dict() for row in self.modeled],
             "narrowing_rows": [],
             "iteration_rows": [],
+            "device_perf_rows": [],
         }
 
     def save(self, path: str | Path) -> Path:

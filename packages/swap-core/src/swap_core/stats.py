@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-__all__ = ["CopyCounts", "SwapStats"]
+if TYPE_CHECKING:
+    from .trace import StepTrace
+
+__all__ = ["CopyCounts", "SwapStats", "link_bytes_per_second", "traced_link_bytes_per_second"]
+
+COPY_PHASES = ("h2d", "d2h")
+"""The phases of a step's trace that move bytes over the host link."""
 
 
 @dataclasses.dataclass
@@ -78,3 +85,39 @@ class SwapStats(CopyCounts):
     available_device_bytes: int | None = None
     """With ``swap_times="auto"``: the device bytes available (free, and cached unused) when the batches were chosen;
     ``None`` otherwise. ``batches`` and ``peak_state_device_bytes`` tell the choice."""
+
+    link_bytes_per_second: float | None = None
+    """The rate the step's copies achieved over the host link, both directions together: the bytes they moved
+    host-to-device plus device-to-host, over the step's transfer window, from the start of its first copy to the end
+    of its last one (time in which the link idled between copies counts). Compare it with the raw rate of pinned
+    copies run both ways at once (``swap-bench device-perf`` does).
+
+    - On the simulator's virtual clock (``SimBackend(timing=...)``): ``(h2d_bytes + d2h_bytes) /
+      modeled_transfer_seconds``, a ``prefetch()``'s copy-in included, exactly.
+    - Elsewhere, only with ``SwapConfig(trace=True)``: the bytes of the ``"h2d"`` and ``"d2h"`` intervals of the
+      step's trace (:attr:`~swap_core.SwapOptimizer.trace`) over the time from the first one's start to the last
+      one's end, timed with the device's timing events (on the simulator without a clock, the host times its copies
+      ran at, as its traces are). The trace starts where the step's walk begins, so a copy-in that ``prefetch()``
+      issued before it is in neither the bytes nor the time.
+    - ``None`` on an untraced step without a virtual clock (timing the copies needs device events, which the host
+      would have to wait for: only a traced step does), and when the step copied nothing."""
+
+
+def link_bytes_per_second(nbytes: int, seconds: float | None) -> float | None:
+    """``nbytes`` over ``seconds``: the rate of :attr:`SwapStats.link_bytes_per_second`; ``None`` when nothing was
+    moved or no time was taken (``seconds`` ``None``: nothing timed it)."""
+    if nbytes <= 0 or seconds is None or seconds <= 0:
+        return None
+    return nbytes / seconds
+
+
+def traced_link_bytes_per_second(trace: StepTrace | None) -> float | None:
+    """:attr:`SwapStats.link_bytes_per_second` of a traced step: the bytes of its copies over the time from the start
+    of the first to the end of the last; ``None`` without a trace."""
+    if trace is None:
+        return None
+    copies = [interval for interval in trace.intervals if interval.phase in COPY_PHASES]
+    if not copies:
+        return None
+    window = max(interval.end for interval in copies) - min(interval.start for interval in copies)
+    return link_bytes_per_second(sum(interval.nbytes for interval in copies), window)

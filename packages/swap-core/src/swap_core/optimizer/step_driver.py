@@ -22,7 +22,7 @@ import torch
 
 from ..adapters.base import StateSwapAdapter
 from ..runtime.plan import SwapPlan
-from ..stats import SwapStats
+from ..stats import SwapStats, traced_link_bytes_per_second
 from ..trace import StepTrace
 from .plan_cache import PlanCache
 from .prefetching import Prefetching
@@ -110,6 +110,7 @@ class StepDriver:
         stats.host_pinned_bytes = self.sync.store.host_pinned_bytes
         stats.peak_state_device_bytes = outcome.plan.peak_staging_bytes + plans.resident_bytes
         stats.available_device_bytes = self.setup.batch_count.available
+        stats.link_bytes_per_second = traced_link_bytes_per_second(outcome.trace)  # a virtual clock's replaces it
         return outcome
 
     def refuse_amp_scaling(self) -> NoReturn:

@@ -20,7 +20,7 @@ from ..master_weights.policy import Masters
 from ..runtime.pipeline import drain_in_flight_copies
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
-from ..stats import SwapStats
+from ..stats import SwapStats, link_bytes_per_second
 from ..torch_compat import step_hooks_silenced
 from .in_backward import InBackward
 from .loading import STATES_BEFORE_WRAPPING, load_state_dict, make_masters_of_existing_states
@@ -88,7 +88,7 @@ class Swapped:
     def close_transfer_window(self, stats: SwapStats, start: ModeledTimes | None) -> None:
         """``stats.modeled_step_seconds`` from the virtual clock at entry and at exit; ``modeled_transfer_seconds`` on
         the copy streams: from the start of the step's first copy (a ``prefetch()``'s, if it ran one) to the end of
-        its last."""
+        its last; ``link_bytes_per_second``, the step's bytes over that window."""
         if start is None:
             return
         end = self.setup.backend.modeled_times()
@@ -97,6 +97,8 @@ class Swapped:
         stats.modeled_step_seconds = max(end.compute - entered, 0.0)
         first = end.transfers_started
         stats.modeled_transfer_seconds = max(end.transfers - first, 0.0) if first is not None else 0.0
+        moved = stats.h2d_bytes + stats.d2h_bytes
+        stats.link_bytes_per_second = link_bytes_per_second(moved, stats.modeled_transfer_seconds)
 
     def synchronize(self) -> None:
         self.setup.scheduler.synchronize()
