@@ -48,7 +48,7 @@ class _RecordingStages:
         assert prefetched.name == f"in {batch.index}"  # type: ignore[attr-defined]
         self.calls.append(f"update {batch.index}")
 
-    def offload_batch(self, batch: PlannedBatch, stats: SwapStats) -> Offloaded:
+    def offload_batch(self, batch: PlannedBatch, stats: SwapStats, *, to_spare: bool = False) -> Offloaded:
         self.calls.append(f"out {batch.index}")
         event = _Event(f"out {batch.index}")
         return Offloaded(event, event)

@@ -229,8 +229,10 @@ def planted_wait() -> Iterator[None]:
     update, offload = pipeline.PipelineScheduler.update_batch, pipeline.PipelineScheduler.offload_batch
     last: dict[int, object] = {}
 
-    def offload_and_remember(self: pipeline.PipelineScheduler, batch: object, stats: object) -> object:
-        events = offload(self, batch, stats)  # type: ignore[arg-type]
+    def offload_and_remember(
+        self: pipeline.PipelineScheduler, batch: object, stats: object, *, to_spare: bool = False
+    ) -> object:
+        events = offload(self, batch, stats, to_spare=to_spare)  # type: ignore[arg-type]
         last[id(self)] = events.done
         return events
 

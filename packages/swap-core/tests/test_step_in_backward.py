@@ -17,7 +17,7 @@ from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.backends.protocol import Stream
 from swap_core.errors import SwapStateError
 from swap_core.sim import SIM_MODES, SimBackend, SimMode
-from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+from swap_core.testing.compare import assert_bitwise_equal, assert_trained_alike
 from swap_core.testing.masters import MasterReference
 from swap_core.testing.pairs import through_torch_save
 
@@ -58,14 +58,6 @@ def _in_backward(model: torch.nn.Module, sim: SimBackend, **options: object) -> 
     return swap_optimizer(_rmsprop(model), config)
 
 
-def _assert_same(
-    plain: torch.nn.Module, swapped: torch.nn.Module, plain_opt: torch.optim.Optimizer, opt: SwapOptimizer, where: str
-) -> None:
-    for (name, expected), actual in zip(plain.named_parameters(), swapped.parameters(), strict=True):
-        assert_bitwise_equal(expected, actual, f"{where}: {name}")
-    assert_state_dicts_equal(plain_opt.state_dict(), opt.state_dict(), f"{where}: optimizer")
-
-
 def _schedules() -> Iterator[tuple[SimMode, int]]:
     for mode in SIM_MODES:
         yield from ((mode, seed) for seed in ((0, 1) if mode == "random" else (0,)))
@@ -92,7 +84,7 @@ def test_batches_update_inside_the_backward_bitwise_the_plain_optimizer_after_it
         assert (moved_in_backward > 0) == (step > 0), (step, moved_in_backward)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"{mode} {seed} step {step}")
+        assert_trained_alike(plain_model, model, plain, optimizer, f"{mode} {seed} step {step}")
         assert optimizer.stats.batches == 3
 
 
@@ -120,7 +112,9 @@ def test_a_prefetch_after_step_brings_the_first_batch_in_for_the_walk_in_the_nex
         assert optimizer.stats.h2d_copies == twin.stats.h2d_copies, (optimizer.stats, twin.stats)
         if step > 0:
             assert optimizer.stats.batches_in_backward == optimizer.stats.batches == 3
-        _assert_same(plain_model, model, plain, optimizer, f"{mode} {seed} step {step}")  # before prefetch(): a read
+        assert_trained_alike(
+            plain_model, model, plain, optimizer, f"{mode} {seed} step {step}"
+        )  # before prefetch(): a read
         copies_before = sim.copy_stats.h2d_copies  # of the state would drop it
         optimizer.prefetch()
         assert optimizer.prefetched and sim.copy_stats.h2d_copies > copies_before, step
@@ -181,7 +175,7 @@ class _UnderPostReduce:
             _forward(self.model, _inputs(step)).backward()
 
     def assert_same(self, where: str) -> None:
-        _assert_same(self.plain_model, self.model, self.plain, self.optimizer, where)
+        assert_trained_alike(self.plain_model, self.model, self.plain, self.optimizer, where)
 
 
 @pytest.mark.figures
@@ -214,7 +208,7 @@ def test_freed_gradients_lower_the_peak_of_gradients_and_staging_and_stay_bitwis
                 assert all(param.grad is None for param in model.parameters()), "every batch freed its gradients"
             meter.around(optimizer.step)
             optimizer.zero_grad(set_to_none=True)
-            _assert_same(plain_model, model, plain, optimizer, f"{name} step {step}")
+            assert_trained_alike(plain_model, model, plain, optimizer, f"{name} step {step}")
         peaks[name] = meter.peak
     # One layer's gradients a batch: all but the two batches staged at a time are freed when the peak comes.
     assert peaks["in_backward"] - peaks["in_backward, freed"] >= gradient_bytes * (DEPTH - 3) // DEPTH, peaks
@@ -329,7 +323,7 @@ def test_a_traced_step_inside_the_backward_times_every_batch_from_its_first_hook
         _forward(model, _inputs(step)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
         assert optimizer.trace is not None
         spans = {(interval.batch, interval.phase): interval for interval in optimizer.trace}
         assert sorted(spans) == [(batch, phase) for batch in range(3) for phase in ("d2h", "h2d", "update")], spans
@@ -357,7 +351,7 @@ def test_accumulated_micro_batches_update_once_in_the_last_backward() -> None:
         _forward(model, _inputs(step, 2)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
 
 
 def test_backwards_accumulated_before_the_first_step_without_accumulating_are_refused_before_anything_changes() -> None:
@@ -379,8 +373,9 @@ def test_backwards_accumulated_before_the_first_step_without_accumulating_are_re
 
 
 def test_a_second_backward_without_accumulating_is_refused_naming_the_fix() -> None:
+    """Without provisional updates: the second backward reaches a gradient whose batch updated already."""
     model = _model()
-    optimizer = _in_backward(model, SimBackend())
+    optimizer = _in_backward(model, SimBackend(), provisional_updates=False)
     _forward(model, _inputs(0)).backward()
     optimizer.step()
     _forward(model, _inputs(1)).backward()  # updates the batches inside the backward
@@ -392,7 +387,7 @@ def test_a_gradient_clipped_after_the_backward_is_refused_at_step() -> None:
     """The update used the gradients as the backward left them: clipping afterwards cannot reach it, and step()
     says so instead of letting the loop believe it clipped."""
     model = _model()
-    optimizer = _in_backward(model, SimBackend())
+    optimizer = _in_backward(model, SimBackend(), provisional_updates=False)
     _forward(model, _inputs(0)).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -418,7 +413,13 @@ def test_hyperparameters_changed_before_step_are_refused_after_a_step_with_the_v
     plain = _rmsprop_with_lr(plain_model, tensor_lr=tensor_lr)
     optimizer = swap_optimizer(
         _rmsprop_with_lr(model, tensor_lr=tensor_lr),
-        SwapConfig(backend=SimBackend(mode="random", seed=7), swap_times=3, min_numel=32, step="in_backward"),
+        SwapConfig(
+            backend=SimBackend(mode="random", seed=7),
+            swap_times=3,
+            min_numel=32,
+            step="in_backward",
+            provisional_updates=False,
+        ),
     )
     scheduler, _ = (torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in (optimizer, plain))
     for step in range(4):
@@ -442,7 +443,7 @@ def test_hyperparameters_changed_before_step_are_refused_after_a_step_with_the_v
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"{how} step {step}")
+        assert_trained_alike(plain_model, model, plain, optimizer, f"{how} step {step}")
     assert _lr(optimizer.param_groups[0]) == pytest.approx(0.005)
 
 
@@ -491,12 +492,13 @@ def test_grad_scaler_is_refused_at_the_first_step_before_anything_changes(unscal
     update inside it. The first step runs after the backward, so the refusal comes before any update: the model
     and the optimizer stay as a twin that never stepped, and the loop goes on without the scaler."""
     twin_model, model = _model(), _model()
-    optimizer = _in_backward(model, SimBackend(mode="lazy"))
+    optimizer = _in_backward(model, SimBackend(mode="lazy"), provisional_updates=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     scaler.scale(_forward(model, _inputs(0))).backward()
     if unscaled_first:
         scaler.unscale_(optimizer)
-    with pytest.raises(SwapStateError, match=r"GradScaler cannot drive .*Nothing was updated\. Use step='after_b"):
+    refused = r"GradScaler cannot drive .*Nothing was updated\. .*step='after_backward'"
+    with pytest.raises(SwapStateError, match=refused):
         scaler.step(optimizer)
     _assert_never_stepped(twin_model, model, optimizer)
     assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
@@ -507,7 +509,7 @@ def test_grad_scaler_is_refused_at_the_first_step_before_anything_changes(unscal
 
 def test_grad_scaler_brought_in_later_is_refused_saying_what_the_backward_updated() -> None:
     model = _model()
-    optimizer = _in_backward(model, SimBackend(mode="random", seed=9))
+    optimizer = _in_backward(model, SimBackend(mode="random", seed=9), provisional_updates=False)
     for step in range(2):
         _forward(model, _inputs(step)).backward()
         optimizer.step()
@@ -526,7 +528,7 @@ def test_a_gradient_clipped_after_the_first_backward_is_refused_before_anything_
     """The first step runs after the backward, but the hooks saw the gradients: one edited since is refused then,
     before any state exists, instead of at the next step after batches updated with unclipped gradients."""
     twin_model, model = _model(), _model()
-    optimizer = _in_backward(model, SimBackend(mode="lazy"))
+    optimizer = _in_backward(model, SimBackend(mode="lazy"), provisional_updates=False)
     _forward(model, _inputs(0)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
     with pytest.raises(SwapStateError, match=r"changed between the backward and step\(\) .* refused now, before"):
@@ -542,7 +544,7 @@ def test_the_state_is_refused_between_a_backward_that_updated_batches_and_step()
     ends as if nothing happened."""
     plain_model, model = _model(), _model()
     plain = _rmsprop(plain_model)
-    optimizer = _in_backward(model, SimBackend(mode="lazy"))
+    optimizer = _in_backward(model, SimBackend(mode="lazy"), provisional_updates=False)
     for step in range(3):
         _forward(plain_model, _inputs(step)).backward()
         plain.step()
@@ -556,7 +558,7 @@ def test_the_state_is_refused_between_a_backward_that_updated_batches_and_step()
                 optimizer.state_dict()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
 
 
 def test_a_parameter_without_gradient_is_skipped_as_torch_skips_it_and_keeps_the_steps_after_the_backward() -> None:
@@ -577,7 +579,7 @@ def test_a_parameter_without_gradient_is_skipped_as_torch_skips_it_and_keeps_the
             assert sim.copy_stats.h2d_copies == copies_before, "no batch moved inside the backward"
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+            assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
     assert model[-1].weight not in optimizer.state
     messages = [str(warning.message) for warning in caught if "have no optimizer state yet" in str(warning.message)]
     assert len(messages) == 1 and "2 parameter(s)" in messages[0] and "(16, 16)" in messages[0], messages
@@ -621,7 +623,7 @@ def test_a_load_and_a_new_param_group_are_taken_in_by_the_next_backward() -> Non
             (loss + (head(_inputs(step)).square().mean() if step >= 3 else 0)).backward()
             this_opt.step()
             this_opt.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
         in_backward = {0: 0, 3: 0}.get(step, optimizer.stats.batches)  # states made at step 0 and for the group at 3
         assert optimizer.stats.batches_in_backward == in_backward, (step, optimizer.stats)
 
@@ -643,7 +645,7 @@ def test_a_layer_unfrozen_later_gets_its_hooks_and_updates_inside_the_backward()
             _forward(this_model, _inputs(step)).backward()
             this_opt.step()
             this_opt.zero_grad(set_to_none=True)
-        _assert_same(plain_model, model, plain, optimizer, f"step {step}")
+        assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
         if step in (1, 4):  # after the first step, and after the one that made the unfrozen layer's state
             assert optimizer.stats.batches_in_backward == optimizer.stats.batches, (step, optimizer.stats)
 

@@ -22,13 +22,16 @@ from swap_core.torch_compat import (
     MODULES_BINDING_THE_DEFAULT_GROUP,
     TorchCompatError,
     TorchDispatchMode,
+    current_backward_task,
     hook_registries,
     hook_registries_set_aside,
     import_modules_binding_the_default_group,
+    inside_reentrant_backward,
     is_lr_scheduler_step_wrapper,
     op_schema,
     private_function,
     profiler_enabled,
+    queue_backward_callback,
     registered_process_groups,
     release_device_mesh_groups,
     share_amp_scaling_support,
@@ -36,6 +39,7 @@ from swap_core.torch_compat import (
     step_hooks_silenced,
     storage_id,
     tensor_version,
+    unscale_gradients_,
 )
 
 
@@ -257,3 +261,93 @@ def test_an_lr_schedulers_step_wrapper_is_recognised() -> None:
     torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
     assert is_lr_scheduler_step_wrapper(vars(optimizer).get("step")), "torch's scheduler no longer marks its wrapper"
     assert not is_lr_scheduler_step_wrapper(torch.optim.SGD.step)
+
+
+class _Recorder:
+    """What the hooks of a backward saw: the task id, whether it ran in a reentrant backward, callbacks run."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, bool]] = []
+        self.callbacks: list[str] = []
+
+    @property
+    def tasks(self) -> list[int]:
+        return [task for _, task, _ in self.seen]
+
+    def hook(self, name: str) -> Any:
+        def seen(grad: torch.Tensor) -> None:
+            self.seen.append((name, current_backward_task(), inside_reentrant_backward()))
+            queue_backward_callback(lambda: self.callbacks.append(name))
+
+        return seen
+
+
+def test_backward_tasks_are_told_apart_and_a_callback_runs_when_its_backward_ends() -> None:
+    assert current_backward_task() == -1, "outside any backward"
+    weight = torch.nn.Parameter(torch.ones(3))
+    recorder = _Recorder()
+    weight.register_hook(recorder.hook("first"))
+    (weight * 2).sum().backward()
+    assert recorder.callbacks == ["first"], "the queued callback ran as that backward ended"
+    weight.register_hook(recorder.hook("second"))
+    (weight * 3).sum().backward()
+    first, second, third = recorder.tasks
+    assert first >= 0 and second == third > first, "one id per backward, growing with every backward begun"
+    assert not any(reentrant for _, _, reentrant in recorder.seen)
+
+
+class _Reentrant(torch.autograd.Function):
+    """Runs a backward of its own inside its backward, as ``checkpoint(use_reentrant=True)`` does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            (x.detach() * weight).backward(grad)
+        return None, None
+
+
+def test_a_backward_run_from_a_functions_backward_is_reentrant_with_a_newer_task() -> None:
+    inner = torch.nn.Parameter(torch.ones(2))
+    outer = torch.nn.Parameter(torch.ones(2))
+    recorder = _Recorder()
+    inner.register_hook(recorder.hook("inner"))
+    outer.register_hook(recorder.hook("outer"))
+    (_Reentrant.apply(torch.ones(2), inner) * outer).sum().backward()
+    # The outer backward also calls inner's hook (the Function returns no gradient for it), in the outer task.
+    outer_task = recorder.seen[0][1]
+    assert recorder.seen[0] == ("outer", outer_task, False)
+    assert recorder.seen[1][0] == "inner" and recorder.seen[1][2], "in the backward its Function started"
+    assert recorder.seen[1][1] > outer_task, "a nested backward's id is above its outer one's"
+    assert recorder.seen[2] == ("inner", outer_task, False)
+    assert recorder.callbacks == ["inner", "outer", "inner"], "the nested callback runs as the nested backward ends"
+    assert inner.grad is not None and torch.equal(inner.grad, torch.ones(2))
+
+
+def test_a_backward_that_raises_runs_no_queued_callback() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    recorder = _Recorder()
+    weight.register_hook(recorder.hook("raising"))
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("a failing hook")
+
+    weight.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a failing hook"):
+        (weight * 2).sum().backward()
+    assert recorder.callbacks == [], "the callback is for a backward that ends without an error"
+
+
+def test_unscale_gradients_is_grad_scalers_kernel() -> None:
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([8.0])]
+    found_inf = torch.zeros(1)
+    unscale_gradients_(grads, found_inf, torch.tensor([0.5]))
+    assert [g.tolist() for g in grads] == [[1.0, 2.0], [4.0]] and found_inf.item() == 0.0
+    with_inf = [torch.tensor([1.0, float("inf")])]
+    unscale_gradients_(with_inf, found_inf, torch.tensor([0.5]))
+    assert found_inf.item() == 1.0, "an inf among the gradients sets found_inf"

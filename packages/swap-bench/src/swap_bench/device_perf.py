@@ -346,6 +346,12 @@ def device_perf_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--swap-times", type=positive_count, default=None, help="pipeline batches (default: 16 for 1b, 4 for tiny)"
     )
+    _add_run_arguments(parser)
+    return parser
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How long each row runs, on what, and where the report goes."""
     parser.add_argument("--warmup", type=count, default=2, help="iterations of each optimizer before the timed ones")
     parser.add_argument(
         "--repeats",
@@ -378,7 +384,6 @@ def device_perf_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", type=output_file, default="swap-bench-device-perf.json", help="where to write the JSON report"
     )
-    return parser
 
 
 def device_perf_main(argv: Sequence[str] | None = None) -> int:

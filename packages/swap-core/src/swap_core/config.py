@@ -105,8 +105,19 @@ class SwapConfig:
     step: StepMode = "after_backward"
     """``"in_backward"``: each batch updates inside the backward, from post-accumulate-grad hooks, as soon as every
     gradient of its parameters is final, so its copies run under the rest of the backward; ``step()`` then updates
-    what remains and checks that no applied gradient was edited since (docs/step-in-backward.md). The batches are
-    walked in the order a backward finalizes gradients. ``"after_backward"``: every batch updates in ``step()``."""
+    what remains and commits the step, or takes it back and steps again after the backward when what the updates
+    read changed since (docs/step-in-backward.md). The batches are walked in the order a backward finalizes
+    gradients. ``"after_backward"``: every batch updates in ``step()``."""
+
+    provisional_updates: bool = True
+    """With ``step="in_backward"``: the updates made inside the backward are provisional until ``step()`` commits
+    them. Each batch copies its states out to a second host copy (the first stays as it was: a commit makes the
+    second current, copying nothing) and keeps its parameters and resident states as they were. ``step()`` commits
+    when nothing the updates read changed since; otherwise (``clip_grad_norm_``, ``GradScaler``, a new learning rate,
+    an edit of the state) it takes them back and steps again after the backward, bitwise the plain optimizer; a
+    backward that fails or is abandoned, and an optimizer closed or collected, take them back too. The cost: twice
+    the host memory of the swapped states, and one device-to-host copy of each updated parameter per step. ``False``
+    (host memory short): one host copy, and such edits are refused at ``step()`` after the fact."""
 
     free_gradients: bool = False
     """With ``step="in_backward"``: drop each batch's gradients (``p.grad = None``) as soon as its update is issued
@@ -142,6 +153,7 @@ class SwapConfig:
         _require_bool("master_weights", self.master_weights)
         _require_bool("undo_failed_steps", self.undo_failed_steps)
         _require_bool("free_gradients", self.free_gradients)
+        _require_bool("provisional_updates", self.provisional_updates)
         if self.free_gradients and self.step != "in_backward":
             raise ValueError(
                 "SwapConfig(free_gradients=True) frees each batch's gradients after its update inside the backward: "

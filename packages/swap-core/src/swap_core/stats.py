@@ -53,6 +53,16 @@ class SwapStats(CopyCounts):
     """With ``SwapConfig(step="in_backward")``: of those, the batches updated inside the backward (the others
     updated at ``step()``); 0 when the whole step ran after the backward."""
 
+    batches_taken_back: int = 0
+    """With ``SwapConfig(step="in_backward")``: the batches updated provisionally inside the backward that ``step()``
+    took back before stepping after the backward (what they read changed since: a clipped gradient, a new learning
+    rate...); their work was redone in ``batches``. 0 when the step committed."""
+
+    host_spare_bytes: int = 0
+    """Host bytes of the second copy of the swapped states that provisional updates keep
+    (``SwapConfig(provisional_updates=True)`` with ``step="in_backward"``; 0 otherwise): what a walk inside the
+    backward copies out to, so that the first stays as it was until ``step()`` commits."""
+
     peak_state_device_bytes: int = 0
     """Most device bytes held at once by swapped state (staging arenas or restored storages) and resident state: the
     plan's staging peak (per tensor, a step that skips batches without gradients may hold less, never more)."""

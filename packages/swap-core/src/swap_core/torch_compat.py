@@ -16,6 +16,7 @@ import functools
 import gc
 import importlib
 import os
+import sys
 import types
 import warnings
 from collections import OrderedDict
@@ -37,10 +38,12 @@ __all__ = [
     "TorchCompatError",
     "TorchDispatchMode",
     "clear_cuda_last_error",
+    "current_backward_task",
     "hook_registries",
     "hook_registries_set_aside",
     "host_empty_cache",
     "import_modules_binding_the_default_group",
+    "inside_reentrant_backward",
     "is_lr_scheduler_step_wrapper",
     "load_state_dict_hook_registries",
     "note_step_for_lr_schedulers",
@@ -48,6 +51,7 @@ __all__ = [
     "optimizer_infos",
     "private_function",
     "profiler_enabled",
+    "queue_backward_callback",
     "registered_process_groups",
     "release_device_mesh_groups",
     "remove_hooks",
@@ -57,6 +61,7 @@ __all__ = [
     "step_hooks_silenced",
     "storage_id",
     "tensor_version",
+    "unscale_gradients_",
 ]
 
 MODULES_BINDING_THE_DEFAULT_GROUP = (
@@ -84,6 +89,51 @@ def tensor_version(tensor: torch.Tensor) -> int:
     (checked: torch 2.13)."""
     version: int = _checked(tensor, "_version", int, user="tensor_version")
     return version
+
+
+def current_backward_task() -> int:
+    """The id of the autograd graph task running the current backward (the innermost one, inside a reentrant
+    backward): ``torch._C._current_graph_task_id()``, ``-1`` outside any (checked: torch 2.13). Ids grow with every
+    backward begun, so a nested backward's is above its outer one's."""
+    task: int = _checked(torch._C, "_current_graph_task_id", types.BuiltinFunctionType, user="current_backward_task")()
+    return task
+
+
+_ENGINE_RUN = "_engine_run_backward"
+"""The function in ``torch/autograd/graph.py`` through which ``backward()`` and ``autograd.grad`` run the engine
+(checked: torch 2.13)."""
+
+
+def inside_reentrant_backward() -> bool:
+    """Whether the calling code runs in a backward that an autograd ``Function``'s ``backward`` started (a reentrant
+    backward, as ``torch.utils.checkpoint`` with ``use_reentrant=True`` runs one for each segment): above the caller
+    the engine was entered (``_engine_run_backward``) from inside a ``backward(ctx, ...)``. A hook called from a
+    ``Function``'s ``backward`` in the same backward (FSDP2's post-backward) is not in one."""
+    frame: types.FrameType | None = sys._getframe(1)
+    entered_engine = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _ENGINE_RUN:
+            entered_engine = True
+        elif entered_engine and code.co_name == "backward" and code.co_varnames[:1] == ("ctx",):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward's graph task ends, if it ends without an error (the innermost
+    one, inside a reentrant backward): ``Variable._execution_engine.queue_callback`` (checked: torch 2.13)."""
+    engine = _checked(torch.autograd.Variable, "_execution_engine", object, user="queue_backward_callback")
+    engine.queue_callback(callback)
+
+
+def unscale_gradients_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``GradScaler.unscale_``'s kernel on ``grads`` (one device, one dtype): each multiplied in place by
+    ``inv_scale``, ``found_inf`` set to 1 where one holds an inf or a NaN
+    (``torch._amp_foreach_non_finite_check_and_unscale_``; checked: torch 2.13)."""
+    kernel = _checked(torch, "_amp_foreach_non_finite_check_and_unscale_", object, user="unscale_gradients_")
+    kernel(list(grads), found_inf, inv_scale)
 
 
 def _checked(owner: object, name: str, kind: type, *, user: str) -> Any:

@@ -80,6 +80,8 @@ class SwapSetup:
     """The first batch's copy-in is issued from the backward's gradient hooks."""
     free_gradients: bool
     """A batch updated inside the backward drops its gradients once its update is issued."""
+    provisional_updates: bool
+    """Updates made before ``step()`` are provisional until it commits them (the store keeps spare host copies)."""
 
 
 class WalkOrder(Protocol):
@@ -87,6 +89,7 @@ class WalkOrder(Protocol):
 
     updates_resident_first: bool
     walks_in_backward_order: bool
+    updates_before_step: bool
 
 
 def decide_setup(
@@ -99,6 +102,7 @@ def decide_setup(
 ) -> SwapSetup:
     """The setup of ``optimizer`` swapped by ``adapter`` on ``backend`` as ``config`` asks (checked by wrapping, which
     decided its ``masters`` policy), for plans walked as ``driver`` (the step driver's class) walks them."""
+    provisional = driver.updates_before_step and config.provisional_updates
     return SwapSetup(
         config=config,
         adapter=adapter,
@@ -122,11 +126,13 @@ def decide_setup(
             offload_fraction=0.0 if backend.host_is_device else config.offload_fraction,
             packed=config.packed,
             host_memory=config.host_memory,
+            spare=provisional,
         ),
         new_trace=StepTrace if config.trace else _untraced,
         undo_failed_steps=config.undo_failed_steps,
         prefetch_from_backward=config.prefetch == "backward",
         free_gradients=config.free_gradients,
+        provisional_updates=provisional,
     )
 
 

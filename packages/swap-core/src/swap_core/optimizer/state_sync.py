@@ -140,6 +140,20 @@ class StateSync:
         elif layout_changed:
             self.store.reorder(ordered)
 
+    def has_edits(self) -> bool:
+        """Whether :meth:`follow_edits` would find anything to follow (it changes nothing itself): the parameters or
+        groups changed, the state mapping was replaced, an entry was reset or a host mirror replaced."""
+        if _layout(self.param_groups, self.ordered_params()) != self._layout:
+            return True
+        if self.optimizer.state is not self._tracked or self._tracked.version != self._seen_state_version:
+            return True
+        return not self._mirrors_in_place()
+
+    def mirrors_moved(self) -> None:
+        """The store made its spare copies the host mirrors (:meth:`StateStore.flip`): ``state`` shows them, and the
+        next look compares entries with them."""
+        self._mirror_check = None
+
     def forget_layout(self) -> None:
         """The next :meth:`follow_edits` re-plans even when the parameter order looks unchanged."""
         self._layout = ([], [])

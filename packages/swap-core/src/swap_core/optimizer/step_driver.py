@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import NoReturn
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +39,13 @@ class StepOutcome:
 
     stats: SwapStats
     trace: StepTrace | None
-    plan: SwapPlan
+    plan: SwapPlan | None
+    """``None`` when the step was skipped (``GradScaler`` found an inf or a NaN)."""
+
+    @property
+    def skipped(self) -> bool:
+        """Whether nothing was updated (as torch's ``GradScaler`` skips a step)."""
+        return self.plan is None
 
 
 class StepDriver:
@@ -52,6 +58,8 @@ class StepDriver:
     """Parameters without a swapped state update first, while batch 0 is copied in."""
     walks_in_backward_order = False
     """The batches are walked from the first parameters to the last (``prefetch="backward"`` reverses them)."""
+    updates_before_step = False
+    """Whether batches update before ``step()`` (then those updates may be provisional)."""
 
     @classmethod
     def check_supported(cls, adapter: StateSwapAdapter, params: list[torch.Tensor]) -> None:
@@ -108,14 +116,35 @@ class StepDriver:
         stats.resident_state_device_bytes = plans.resident_bytes
         stats.host_state_bytes = self.sync.store.host_bytes
         stats.host_pinned_bytes = self.sync.store.host_pinned_bytes
+        assert outcome.plan is not None, "a skipped step is not finished"
         stats.peak_state_device_bytes = outcome.plan.peak_staging_bytes + plans.resident_bytes
+        stats.host_spare_bytes = self.sync.store.spare_bytes
         stats.available_device_bytes = self.setup.batch_count.available
         stats.link_bytes_per_second = traced_link_bytes_per_second(outcome.trace)  # a virtual clock's replaces it
         return outcome
 
-    def refuse_amp_scaling(self) -> NoReturn:
+    def skipped(self) -> StepOutcome:
+        """A step that updates nothing (``GradScaler`` found an inf or a NaN): the next one's prefetch armed."""
+        self.prefetching.arm(after_step=False)
+        return StepOutcome(SwapStats(), None, None)
+
+    def take_amp_scaling(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """``GradScaler`` handed ``step()`` its scale: only a driver that claims it is handed one."""
         raise AssertionError(f"{type(self).__name__} does not claim GradScaler's scale")
+
+    def before_zero_grad(self, *, set_to_none: bool) -> None:
+        """``zero_grad()`` is about to run: nothing to do after the backward."""
+
+    def take_back_open_step(self) -> bool:
+        """Take back a step begun before ``step()`` and not committed; whether one was open (none, here)."""
+        return False
+
+    def release(self) -> None:
+        """The optimizer is closed: what the driver holds on to beyond a step goes (nothing, here)."""
+
+    def what_goes_when_collected(self) -> list[Callable[[], object]]:
+        """What the optimizer's finalizer runs when it is collected (none of it may hold the optimizer)."""
+        return []
 
 
 class AfterBackward(StepDriver):

@@ -42,6 +42,7 @@ from .wrapping import (
     make_adapter,
     ordered_params,
     overrides,
+    rebind,
     remove_swap_hooks,
     synchronized,
 )
@@ -217,21 +218,39 @@ class SwapOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         swapping = self._swapping
-        if swapping.claims_amp_scaling:
-            scaled = [self.__dict__.pop(name) for name in _AMP_ATTRIBUTES if name in self.__dict__]
-            if scaled:
-                swapping.refuse_amp_scaling()
-        with self._amp_attributes_forwarded():
+        claimed = swapping.claims_amp_scaling and any(name in self.__dict__ for name in _AMP_ATTRIBUTES)
+        if claimed:  # GradScaler handed the step its scale and whether a gradient holds inf: the driver takes them
+            try:
+                swapping.take_amp_scaling(self.__dict__.get("grad_scale"), self.__dict__.get("found_inf"))
+            except BaseException:  # refused: GradScaler deletes them only after a step that returns
+                for name in _AMP_ATTRIBUTES:
+                    self.__dict__.pop(name, None)
+                raise
+        with contextlib.nullcontext() if claimed else self._amp_attributes_forwarded():
             started = time.perf_counter()
             window = swapping.open_transfer_window()
             outcome = swapping.driver.step()
             if outcome is None:  # nothing swapped: the wrapped optimizer stepped
                 return loss
-            note_step_for_lr_schedulers(self.optimizer)
+            if not outcome.skipped:
+                note_step_for_lr_schedulers(self.optimizer)
         outcome.stats.step_seconds = time.perf_counter() - started
         swapping.close_transfer_window(outcome.stats, window)
         self.stats, self.trace = outcome.stats, outcome.trace
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with ``SwapConfig(step="in_backward")`` a step begun inside the backward that
+        ``step()`` did not end is taken back first (the loop skipped it, as after ``GradScaler`` found an inf)."""
+        self._swapping.before_zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none)
+
+    def close(self) -> None:
+        """Let go of the parameters before the optimizer is dropped: with ``SwapConfig(step="in_backward")`` its
+        gradient hooks go (it steps no more inside the backward) and a step begun there and not ended is taken back;
+        the copies in flight finish. Garbage collection does the same; ``close()`` does it now (an optimizer still
+        referenced by a cycle, say from a hook's closure, is collected only by the next ``gc.collect()``)."""
+        self._swapping.close()
 
     def prefetch(self) -> None:
         """Start copying the first batch's states to the device now, ahead of ``step()`` (e.g. right after backward).
@@ -372,23 +391,5 @@ class SwapOptimizer(torch.optim.Optimizer):
         """
         self.synchronize()
         if new_to_old_param:
-            self._rebind(new_to_old_param)
+            rebind(self.param_groups, self.state, new_to_old_param)
         self._swapping.params_replaced(new_to_old_param)
-
-    def _rebind(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
-        current = set(map(id, ordered_params(self.param_groups)))
-        old_to_new = {}
-        for new, old in new_to_old_param.items():
-            if id(old) not in current:
-                raise ValueError(f"Parameter {tuple(old.shape)} to replace is not in this optimizer's param groups")
-            if new.shape != old.shape or new.dtype != old.dtype:
-                raise ValueError(
-                    f"Replacement parameter {tuple(new.shape)} {new.dtype} does not match "
-                    f"{tuple(old.shape)} {old.dtype}"
-                )
-            old_to_new[id(old)] = new
-        for group in self.param_groups:
-            group["params"] = [old_to_new.get(id(param), param) for param in group["params"]]
-        for new, old in new_to_old_param.items():
-            if old in self.state:
-                self.state[new] = self.state.pop(old)

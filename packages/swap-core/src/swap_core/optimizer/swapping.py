@@ -6,9 +6,10 @@ steps alone, with the same results). The torch face asks either the same questio
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend, ModeledTimes
 from ..config import SwapConfig
 from ..master_weights.policy import Masters
-from ..runtime.pipeline import drain_in_flight_copies
+from ..runtime.pipeline import PipelineScheduler, drain_in_flight_copies
 from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
 from ..stats import SwapStats, link_bytes_per_second
@@ -31,6 +32,8 @@ from .step_driver import AfterBackward, StepDriver, StepOutcome
 from .wrapping import ordered_params
 
 __all__ = ["NothingSwapped", "Swapped", "start_swapping"]
+
+_LOG = logging.getLogger("swap_core")
 
 NOTHING_SWAPPED = "This SwapOptimizer swaps nothing (its parameters are on the CPU, backend='auto')"
 
@@ -51,12 +54,27 @@ def start_swapping(
     driver_type.check_supported(adapter, ordered_params(optimizer.param_groups))
     setup = decide_setup(optimizer, adapter, config, backend, masters, driver_type)
     # Copies in flight are waited for when the wrapper is collected, before its host buffers go.
-    weakref.finalize(owner, drain_in_flight_copies, setup.scheduler)
+    finalizer = weakref.finalize(owner, drain_in_flight_copies, setup.scheduler)
     sync = StateSync(optimizer, adapter, setup.scheduler, setup.store_options, masters)
     plans = PlanCache(setup, sync)
     sync.start()  # existing states move to host memory (may find the host too small)
     make_masters_of_existing_states(sync, adapter, STATES_BEFORE_WRAPPING)
-    return Swapped(setup, sync, plans, driver_type(owner, setup, sync, plans))
+    driver = driver_type(owner, setup, sync, plans)
+    finalizer.detach()  # what the driver lets go of comes first (a step still open is taken back), then the copies
+    weakref.finalize(owner, _collected, setup.scheduler, driver.what_goes_when_collected())
+    return Swapped(setup, sync, plans, driver)
+
+
+def _collected(scheduler: PipelineScheduler, letting_go: list[Callable[[], object]]) -> None:
+    """Finalizer of a swapped optimizer: what its driver holds on to goes (hooks removed, a step still open taken
+    back; none of it holds the optimizer), then the copies it left in flight are waited for before its host buffers
+    go (:func:`drain_in_flight_copies`). A failure cannot be raised from a finalizer: it is logged."""
+    for let_go in letting_go:
+        try:
+            let_go()
+        except Exception as error:
+            _LOG.warning("Could not let go of a collected swapped optimizer's step (%s)", error)
+    drain_in_flight_copies(scheduler)
 
 
 class Swapped:
@@ -158,9 +176,18 @@ class Swapped:
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         return self.driver.accumulating()
 
-    def refuse_amp_scaling(self) -> NoReturn:
-        self.driver.refuse_amp_scaling()
-        raise AssertionError("a driver that claims GradScaler's scale refuses it")
+    def take_amp_scaling(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        self.driver.take_amp_scaling(grad_scale, found_inf)
+
+    def before_zero_grad(self, *, set_to_none: bool) -> None:
+        """``zero_grad()``: a step begun inside the backward and not stepped is skipped, taken back first."""
+        with self.setup.scheduler.working():
+            self.driver.before_zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        """The driver lets go (hooks removed, an open step taken back) and the copies in flight finish."""
+        self.driver.release()
+        self.synchronize()
 
 
 class NothingSwapped:
@@ -226,5 +253,11 @@ class NothingSwapped:
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def refuse_amp_scaling(self) -> NoReturn:
+    def take_amp_scaling(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         raise AssertionError("nothing swapped claims GradScaler's scale")
+
+    def before_zero_grad(self, *, set_to_none: bool) -> None:
+        """Nothing is open."""
+
+    def close(self) -> None:
+        """Nothing to let go."""

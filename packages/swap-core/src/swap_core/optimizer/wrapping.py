@@ -34,6 +34,7 @@ __all__ = [
     "ordered_params",
     "ordered_params_with_groups",
     "overrides",
+    "rebind",
     "remove_swap_hooks",
     "swap_keys",
     "synchronized",
@@ -270,3 +271,23 @@ def check_states(
                 f"{problem}: {type(optimizer).__name__}'s update cannot use it, and nothing was changed. "
                 "Load a complete checkpoint, or reset the entry (del optimizer.state[param]) to start it afresh"
             )
+
+
+def rebind(groups: list[dict[str, Any]], state: Any, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
+    """``reset_optimizer_parameters(new_to_old_param)``: each new parameter takes the place of the one it replaces
+    (same shape and dtype) in ``groups``, and its entry in ``state``; anything else is refused before any change."""
+    current = set(map(id, ordered_params(groups)))
+    old_to_new = {}
+    for new, old in new_to_old_param.items():
+        if id(old) not in current:
+            raise ValueError(f"Parameter {tuple(old.shape)} to replace is not in this optimizer's param groups")
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise ValueError(
+                f"Replacement parameter {tuple(new.shape)} {new.dtype} does not match {tuple(old.shape)} {old.dtype}"
+            )
+        old_to_new[id(old)] = new
+    for group in groups:
+        group["params"] = [old_to_new.get(id(param), param) for param in group["params"]]
+    for new, old in new_to_old_param.items():
+        if old in state:
+            state[new] = state.pop(old)

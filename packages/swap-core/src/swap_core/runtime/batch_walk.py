@@ -30,7 +30,7 @@ class Stages(Protocol):
 
     def update_batch(self, batch: PlannedBatch, prefetched: Event, update: UpdateFn) -> None: ...
 
-    def offload_batch(self, batch: PlannedBatch, stats: SwapStats) -> Offloaded: ...
+    def offload_batch(self, batch: PlannedBatch, stats: SwapStats, *, to_spare: bool = False) -> Offloaded: ...
 
     def update_resident(self, resident: PlannedBatch, update: UpdateFn) -> None: ...
 
@@ -39,7 +39,8 @@ class BatchWalk:
     """The walk of one step over ``batches`` (``plan``'s, those with something to update, in walk order).
 
     ``prefetched``: the event of batch 0's copy-in when :meth:`PipelineScheduler.prefetch` issued it before the step
-    (its copies already counted in ``stats``); else batch 0 is copied in now.
+    (its copies already counted in ``stats``); else batch 0 is copied in now. ``to_spare``: the updates are
+    provisional: each batch is copied out to its states' spare host copies, the mirrors stay as they were.
     """
 
     def __init__(
@@ -52,8 +53,12 @@ class BatchWalk:
         stats: SwapStats,
         *,
         prefetched: Event | None = None,
+        to_spare: bool = False,
+        on_copy_in: UpdateFn | None = None,
     ) -> None:
         self._stages, self.plan, self.batches = stages, plan, batches
+        self.to_spare = to_spare
+        self._on_copy_in = on_copy_in
         self._update, self.stats = update, stats
         self._resident = plan.resident
         """The plan's resident batch until it updated (a walk without swapped batches is that update alone)."""
@@ -66,6 +71,8 @@ class BatchWalk:
         self._resident_at = 1 if prefetched is not None and len(batches) > 1 else 0
         if prefetched is not None:
             self._prefetched[0] = prefetched
+            if on_copy_in is not None and batches:
+                on_copy_in(batches[0])
         elif batches:
             self._prefetch(0)
 
@@ -98,7 +105,7 @@ class BatchWalk:
         if resident is not None:
             stages.update_resident(resident, self._update)  # the compute stream would wait for a copy-in
         stages.update_batch(batch, self._prefetched.pop(position), self._update)
-        self.last_offload = stages.offload_batch(batch, self.stats)
+        self.last_offload = stages.offload_batch(batch, self.stats, to_spare=self.to_spare)
         self._staging.copied_out(position, self.last_offload)
         if following is not None and after_copy_out:
             self._prefetch(following)
@@ -107,3 +114,5 @@ class BatchWalk:
     def _prefetch(self, position: int) -> None:
         reused = self._staging.before_copy_in(position)
         self._prefetched[position] = self._stages.prefetch_batch(self.batches[position], self.stats, reused=reused)
+        if self._on_copy_in is not None:
+            self._on_copy_in(self.batches[position])

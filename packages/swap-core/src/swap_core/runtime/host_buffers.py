@@ -6,6 +6,10 @@
   :meth:`~swap_core.runtime.store.StateStore.pack` lays it out with the others.
 - :class:`TensorHostBuffers`: one pinned buffer per state, each copied on its own.
 
+With ``copies=2`` each keeps a second copy of the same layout, the *spare*: a walk whose updates are provisional
+(inside the backward) copies the states out to it, and a commit swaps the two (:meth:`flip`), copying nothing. A
+state a running step creates in packed mode gets no spare until it is packed (a plan is never built before).
+
 The store asks either the same questions and lays the states out as the answer says.
 """
 
@@ -24,23 +28,28 @@ __all__ = ["HostBuffers", "PackedHostBuffers", "TensorHostBuffers", "host_buffer
 
 
 class TensorHostBuffers:
-    """One pinned host buffer per swapped state."""
+    """One pinned host buffer per swapped state (two with a spare)."""
 
     packs = False
     """States are never laid out together: adding one lays out nothing else."""
     packed_host: PackedHost | None = None
+    spare_host: PackedHost | None = None
     has_unpacked = False
 
-    def __init__(self, backend: DeviceBackend, mode: HostMemoryMode) -> None:
-        self._backend, self._mode = backend, mode
+    def __init__(self, backend: DeviceBackend, mode: HostMemoryMode, *, copies: int = 1) -> None:
+        self._backend, self._mode, self._copies = backend, mode, copies
         self._pinned: dict[SwapSlot, int] = {}
-        """The pinned bytes of each state's buffer."""
+        """The pinned bytes of each state's buffers."""
 
     def own_buffer(self, slot: SwapSlot) -> torch.Tensor:
-        """A host buffer for ``slot`` alone (1-D, ``slot.numel`` elements)."""
-        buffer = self._backend.empty_host(slot.numel, slot.dtype, mode=self._mode)
-        self._pinned[slot] = self._backend.pinned_bytes(buffer)
-        return buffer
+        """A host buffer for ``slot`` alone (1-D, ``slot.numel`` elements); its spare, where kept, in ``slot.spare``."""
+        buffers = [self._backend.empty_host(slot.numel, slot.dtype, mode=self._mode) for _ in range(self._copies)]
+        self._pinned[slot] = sum(map(self._backend.pinned_bytes, buffers))
+        slot.spare = slot.shaped(buffers[1]) if len(buffers) > 1 else None
+        return buffers[0]
+
+    def flip(self) -> None:
+        """Nothing to swap but each slot's own buffers (the store swaps them)."""
 
     def forget(self, slot: SwapSlot) -> None:
         self._pinned.pop(slot, None)
@@ -48,6 +57,11 @@ class TensorHostBuffers:
     def relayout_bytes(self, slots: Sequence[SwapSlot]) -> int:
         """Nothing is laid out again."""
         return 0
+
+    @property
+    def spare_bytes(self) -> int:
+        """Host bytes of the spare copies."""
+        return sum(slot.nbytes for slot in self._pinned if slot.spare is not None)
 
     def lay_out(self, slots: Sequence[SwapSlot]) -> PackedHost:
         raise AssertionError("per-tensor host buffers are never laid out together")
@@ -75,9 +89,11 @@ class PackedHostBuffers:
     packs = True
     """Adding states lays every state out again (unless they come from a running step), as does a new order."""
 
-    def __init__(self, backend: DeviceBackend, mode: HostMemoryMode) -> None:
-        self._backend, self._mode = backend, mode
+    def __init__(self, backend: DeviceBackend, mode: HostMemoryMode, *, copies: int = 1) -> None:
+        self._backend, self._mode, self._copies = backend, mode, copies
         self.packed_host: PackedHost | None = None
+        self.spare_host: PackedHost | None = None
+        """The spare copy of the packed buffers (same layout), where kept."""
         self._unpacked: dict[SwapSlot, int] = {}
         """States given a buffer of their own during a step, with its pinned bytes, until the next layout."""
 
@@ -97,18 +113,31 @@ class PackedHostBuffers:
 
     def relayout_bytes(self, slots: Sequence[SwapSlot]) -> int:
         """The pinned bytes a layout of ``slots`` takes beside the current one (checked before allocating)."""
-        return PackedHost.required_pinned_bytes(slots, self._mode)
+        return self._copies * PackedHost.required_pinned_bytes(slots, self._mode)
 
     def lay_out(self, slots: Sequence[SwapSlot]) -> PackedHost:
-        """New buffers holding ``slots`` in this order (the caller fills them, then the old ones go)."""
+        """New buffers holding ``slots`` in this order (the caller fills them, then the old ones go); each slot's view
+        of the spare, where kept, in ``slot.spare``."""
         packed = PackedHost(self._backend, slots, mode=self._mode)
+        spare = PackedHost(self._backend, slots, mode=self._mode) if self._copies > 1 else None
+        for slot in slots:
+            slot.spare = spare.view(slot) if spare is not None else None
         self._unpacked.clear()
-        self.packed_host = packed
+        self.packed_host, self.spare_host = packed, spare
         return packed
+
+    def flip(self) -> None:
+        """The spare buffers become the current ones and the current ones the spare."""
+        self.packed_host, self.spare_host = self.spare_host, self.packed_host
+
+    @property
+    def spare_bytes(self) -> int:
+        """Host bytes of the spare copy."""
+        return self.spare_host.nbytes if self.spare_host is not None else 0
 
     @property
     def pinned_bytes(self) -> int:
-        packed = self.packed_host.pinned_bytes if self.packed_host is not None else 0
+        packed = sum(host.pinned_bytes for host in (self.packed_host, self.spare_host) if host is not None)
         return packed + sum(self._unpacked.values())
 
     def host_bytes(self, slots: Iterable[SwapSlot]) -> int:
@@ -128,6 +157,7 @@ class PackedHostBuffers:
 HostBuffers = PackedHostBuffers | TensorHostBuffers
 
 
-def host_buffers(backend: DeviceBackend, mode: HostMemoryMode, *, packed: bool) -> HostBuffers:
-    """The host buffers ``SwapConfig.packed`` asks for."""
-    return PackedHostBuffers(backend, mode) if packed else TensorHostBuffers(backend, mode)
+def host_buffers(backend: DeviceBackend, mode: HostMemoryMode, *, packed: bool, copies: int = 1) -> HostBuffers:
+    """The host buffers ``SwapConfig.packed`` asks for, with ``copies`` copies of each state (2: a spare)."""
+    kind = PackedHostBuffers if packed else TensorHostBuffers
+    return kind(backend, mode, copies=copies)

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import traceback
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -49,19 +48,21 @@ from .batch_walk import BatchWalk, UpdateFn
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
 from .staging import Offloaded
+from .walk_ends import WalkEnds
 
 __all__ = ["Offloaded", "PipelineScheduler", "UpdateFn", "drain_in_flight_copies"]
 
 _LOG = logging.getLogger("swap_core")
 
 
-class PipelineScheduler:
+class PipelineScheduler(WalkEnds):
     """Runs one step's transfers and updates on the backend's streams.
 
     A step is a walk: :meth:`begin`, :meth:`advance` for each batch (all at once, or as a backward makes them ready),
     :meth:`end`. Each batch goes through four stages, one method each (:meth:`prefetch_batch`,
     :meth:`update_batch`, :meth:`offload_batch`, and :meth:`update_resident` for the resident part): the
-    simulator's planted-bug tests replace one stage to prove that a missing or an extra wait fails a test.
+    simulator's planted-bug tests replace one stage to prove that a missing or an extra wait fails a test. A walk
+    that fails, or is ended where it is, ends as :class:`~swap_core.runtime.walk_ends.WalkEnds` says.
     """
 
     def __init__(self, backend: DeviceBackend, *, duplex: bool) -> None:
@@ -85,8 +86,14 @@ class PipelineScheduler:
         self._timeline: _Timeline | None = None
         self._early: _EarlyPrefetch | None = None
         self._working = NestedFlag()
-        self._walking = False
-        """A walk begun by :meth:`begin` awaits :meth:`end` (inside a backward, between two hooks)."""
+        self._open_walk: bool | None = None
+        """Whether a walk begun by :meth:`begin` awaits :meth:`end` (inside a backward, between two hooks): ``None``
+        when none does, else whether it is provisional. The walk itself is its driver's: held here, it would keep the
+        optimizer alive through its update (a finalizer holds the scheduler)."""
+        self.take_back_for_the_host: Callable[[], None] | None = None
+        """Called when the host is about to read or write the host mirrors (a user reads ``state``) while a
+        provisional walk is open: its driver takes the step back, so that the read sees the state before the step
+        (step counters and resident states too) and an edit is one of it; ``step()`` then runs after the backward."""
 
     def prefetch(self, plan: SwapPlan) -> None:
         """Start ``plan``'s first copy-in now, before the step that runs ``plan`` (nothing if one is pending).
@@ -94,7 +101,7 @@ class PipelineScheduler:
         The step then waits for it instead of issuing it; a step that runs another plan (the state or
         the param groups changed meanwhile) first drops it. If an enqueue fails, nothing is pending.
         """
-        if self._early is not None or not plan.batches or self._walking:
+        if self._early is not None or not plan.batches or self._open_walk is not None:
             return
         self.compute = self.backend.compute_stream()
         self._settle(plan)
@@ -116,6 +123,8 @@ class PipelineScheduler:
         *,
         skip: frozenset[int] = frozenset(),
         traced: bool = False,
+        provisional: bool = False,
+        on_copy_in: UpdateFn | None = None,
     ) -> BatchWalk:
         """Begin a step over ``plan``: batch 0's copy-in is issued now, unless a pending :meth:`prefetch` of ``plan``
         issued it (one of another plan is dropped). The caller advances the walk batch by batch (:meth:`advance`)
@@ -123,7 +132,9 @@ class PipelineScheduler:
 
         ``skip``: indices of batches that have nothing to update (no parameter of theirs has a gradient): they are
         not copied at all (a batch 0 that :meth:`prefetch` already copied in runs anyway). ``traced``: the phases
-        are timed from now, for :meth:`end`'s ``trace``.
+        are timed from now, for :meth:`end`'s ``trace``. ``provisional``: the updates may be taken back: each batch
+        is copied out to its states' spare host copies (the mirrors stay as they were), a failure drops the device
+        copies instead of copying them out, and :meth:`abandon` ends the walk without a trace of it on the host.
         """
         self.compute = self.backend.compute_stream()
         self._timeline = _Timeline(self.backend, self.compute) if traced else None
@@ -132,25 +143,36 @@ class PipelineScheduler:
         batches = [
             batch for batch in plan.batches if batch.index not in skip or (early is not None and batch.index == 0)
         ]
-        with self._recover_on_error(plan):
+        with self._recover_on_error(plan, provisional=provisional):
             if batches:
                 plan.staging.acquire()
-            walk = BatchWalk(self, plan, batches, self.compute, update, stats, prefetched=_counted(early, stats))
-        self._walking = True
+            prefetched = _counted(early, stats)
+            walk = BatchWalk(
+                self,
+                plan,
+                batches,
+                self.compute,
+                update,
+                stats,
+                prefetched=prefetched,
+                to_spare=provisional,
+                on_copy_in=on_copy_in,
+            )
+        self._open_walk = provisional
         return walk
 
     def advance(self, walk: BatchWalk) -> None:
         """Update ``walk``'s next batch (issuing the copies around it) on the stream the walk began on."""
-        with self._recover_on_error(walk.plan), self.backend.stream(self.compute):
+        with self._recover_on_error(walk.plan, provisional=walk.to_spare), self.backend.stream(self.compute):
             walk.advance()
 
     def end(self, walk: BatchWalk, *, trace: StepTrace | None = None) -> None:
         """The batches ``walk`` has left, then the end of the step: the last copy-outs run on behind the caller
         (:meth:`synchronize` waits for them) and free their staging behind them (timed into ``trace`` when the
         walk began ``traced``)."""
-        self._walking = False
+        self._open_walk = None
         plan = walk.plan
-        with self._recover_on_error(plan), self.backend.stream(self.compute):
+        with self._recover_on_error(plan, provisional=walk.to_spare), self.backend.stream(self.compute):
             while not walk.done:
                 walk.advance()
             if walk.last_offload is not None:
@@ -179,7 +201,9 @@ class PipelineScheduler:
     def settle_for_host(self) -> None:
         """Outside the optimizer's own work, the host is about to read or write host mirrors (a user reads
         ``opt.state``): the copies in flight finish first, and a pending prefetch, which copied the mirrors as they
-        were, is dropped (the step copies them again). Nothing happens when nothing is in flight."""
+        were, is dropped (the step copies them again). Nothing happens when nothing is in flight. A provisional walk
+        still open is taken back first (:attr:`take_back_for_the_host`)."""
+        self._take_back_for_the_host()
         if self._working or (self._last_offload is None and self._early is None and self._stranded_plan is None):
             self._refuse_while_walking()
             return
@@ -189,7 +213,9 @@ class PipelineScheduler:
     def synchronize(self) -> None:
         """Block until every offload (and a pending prefetch's copy-in) finished, so host mirrors may be read
         and written. Refused while a walk begun by :meth:`begin` awaits its end, outside the optimizer's
-        own work: its batches are half updated."""
+        own work: its batches are half updated (a provisional walk is taken back first, see
+        :meth:`settle_for_host`)."""
+        self._take_back_for_the_host()
         self._refuse_while_walking()
         if self._early is not None:
             self._early.event.synchronize()
@@ -201,8 +227,14 @@ class PipelineScheduler:
         self._in_flight = None
         self._finish_offloads()
 
+    def _take_back_for_the_host(self) -> None:
+        take_back = self.take_back_for_the_host
+        if self._open_walk and not self._working and take_back is not None:
+            with self.working():
+                take_back()
+
     def _refuse_while_walking(self) -> None:
-        if self._walking and not self._working:
+        if self._open_walk is not None and not self._working:
             raise SwapStateError(
                 "The optimizer's states are being updated inside the backward (SwapConfig(step='in_backward')), some "
                 "batches already stepped: call step() before reading, saving or editing them"
@@ -247,19 +279,23 @@ class PipelineScheduler:
             update(resident)
         self._span(resident, "update", started, self.compute, 0)
 
-    def offload_batch(self, batch: PlannedBatch, stats: SwapStats) -> Offloaded:
-        """Copy ``batch``'s updated states out to their host mirrors, after its update on the compute stream."""
+    def offload_batch(self, batch: PlannedBatch, stats: SwapStats, *, to_spare: bool = False) -> Offloaded:
+        """Copy ``batch``'s updated states out to their host mirrors (``to_spare``: to their spare copies), after its
+        update on the compute stream."""
         with _profiler_range("swap::offload"):
             self._after_compute(self.d2h)
             started = self._mark(self.d2h)
             nbytes = 0
             front: Event | None = None
-            for position, (host, device) in enumerate(batch.transfers):
+            transfers = batch.spare_transfers if to_spare else batch.transfers
+            if len(transfers) != len(batch.transfers):
+                raise SwapStateError(f"Batch {batch.index} has no spare host copy to copy out to (a provisional walk)")
+            for position, (host, device) in enumerate(transfers):
                 if position == batch.front_transfers:
                     front = self.backend.record_event(self.d2h)
                 self.backend.copy(host, device, stream=self.d2h)
                 nbytes += host.numel() * host.element_size()
-            stats.count("d2h", len(batch.transfers), nbytes)
+            stats.count("d2h", len(batch.transfers), nbytes)  # as many to the spare copies
             # Only once every copy is enqueued: a failed enqueue leaves the device copy authoritative.
             transition(batch.slots, SlotState.DEVICE, SlotState.D2H)
             self._offloaded.extend(batch.slots)
@@ -316,57 +352,6 @@ class PipelineScheduler:
     def _finish_offloads(self) -> None:
         transition(self._offloaded, SlotState.D2H, SlotState.HOST)
         self._offloaded = []
-
-    # -- failure --------------------------------------------------------------
-    @contextlib.contextmanager
-    def _recover_on_error(self, plan: SwapPlan) -> Iterator[None]:
-        try:
-            yield
-        except BaseException as error:
-            self._recover(plan)
-            # The failed update's frames still reference staging views whose storage is now released;
-            # showing their locals (a debugger, pytest --showlocals) would read freed memory. Drop them.
-            traceback.clear_frames(error.__traceback__)
-            raise
-
-    def _recover(self, plan: SwapPlan) -> None:
-        """Drain every transfer and make each slot's host mirror authoritative again.
-
-        Slots on the device hold the only current values (their update may have
-        run, fully or partly): they are offloaded. Prefetched slots whose update
-        never started still have valid host mirrors and are dropped. A walk begun by :meth:`begin` ends here.
-        """
-        self._walking = False
-        self._stranded = [b for b in plan.batches if b.slots and b.slots[0].state is SlotState.DEVICE]
-        self._stranded_plan = plan
-        self._retry_stranded(final=False)
-        for batch in plan.batches:
-            if batch.slots and batch.slots[0].state is SlotState.H2D:
-                transition(batch.slots, SlotState.H2D, SlotState.HOST)
-
-    def _retry_stranded(self, *, final: bool) -> None:
-        """Offload batches whose state is still only on the device, then free their staging memory."""
-        plan = self._stranded_plan
-        if plan is None:
-            return
-        for batch in list(self._stranded):
-            try:
-                self.offload_batch(batch, SwapStats())
-            except Exception as error:
-                if final:
-                    raise SwapStateError(
-                        f"Could not move batch {batch.index} back to host memory; its state is still on the device "
-                        "and nothing is lost: call step() or synchronize() again to retry"
-                    ) from error
-                continue
-            self._stranded.remove(batch)
-        self.backend.synchronize()
-        self._last_offload = None
-        self._finish_offloads()
-        if self._stranded:
-            return  # their staging memory still holds the only copy
-        self._stranded_plan = None
-        plan.staging.release(plan.batches, in_use_on=None)  # the synchronize above ordered everything
 
 
 def drain_in_flight_copies(scheduler: PipelineScheduler) -> None:

@@ -56,6 +56,11 @@ class SwapPlan:
         """Device bytes of swapped state held at once during a step."""
         return self.staging.peak_bytes
 
+    def flip_host_copies(self) -> None:
+        """The store flipped its copies (:meth:`StateStore.flip`): each batch's transfers go to the new mirrors."""
+        for batch in self.batches:
+            batch.transfers, batch.spare_transfers = batch.spare_transfers, batch.transfers
+
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
@@ -96,7 +101,14 @@ def build_plan(
     ``keep_staging``: the staging arenas stay allocated between steps.
     """
     batches, spans, resident, slots_of, nbytes = _partitioned(store, params, partition)
-    staging = stage_batches(store.packed_host, backend, batches, buffers=partition.staging_buffers, keep=keep_staging)
+    staging = stage_batches(
+        store.packed_host,
+        backend,
+        batches,
+        buffers=partition.staging_buffers,
+        keep=keep_staging,
+        spare=store.spare_host,
+    )
     for batch in batches:
         pairs = zip(batch.slots, batch.device_views, strict=True)
         batch.update_views = [wrap_local(view, slot.layout) for slot, view in pairs]

@@ -28,6 +28,9 @@ class PlannedBatch:
     transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     """``(host, device)`` pairs copied in and out: one per dtype (packed; two where a dtype's region crosses the
     middle of the arena, with more batches than arenas) or one per slot."""
+    spare_transfers: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """The same copies with each state's spare host copy in place of its mirror (where the store keeps spares): a
+    walk whose updates are provisional copies out there."""
     front_transfers: int = 0
     """How many of ``transfers`` (the first ones) lie in the first half of the arena (packed, more batches than
     arenas); ``len(transfers)`` otherwise. The copy-in of a batch waits half by half for the copy-out of the batch

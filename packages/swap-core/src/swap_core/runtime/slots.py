@@ -60,6 +60,7 @@ class SwapSlot:
         "numel",
         "param",
         "shape",
+        "spare",
         "state",
         "stride",
     )
@@ -83,6 +84,9 @@ class SwapSlot:
         self.numel = shape.numel()
         self.nbytes = self.numel * dtype.itemsize
         self.host: torch.Tensor | None = None
+        self.spare: torch.Tensor | None = None
+        """A second host copy of the same shape, where a walk whose updates are provisional copies the state out
+        (the host mirror stays as it was until the step commits: :meth:`StateStore.flip`); ``None`` without one."""
         self.host_value: torch.Tensor | None = None
         """What ``optimizer.state`` holds between steps: the host mirror (a DTensor over it when sharded)."""
         self.device: torch.Tensor | None = None

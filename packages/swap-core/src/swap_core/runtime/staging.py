@@ -101,9 +101,17 @@ class ArenaStaging:
 
     @classmethod
     def lay_out(
-        cls, packed: PackedHost, backend: DeviceBackend, batches: Sequence[PlannedBatch], buffers: int, *, keep: bool
+        cls,
+        packed: PackedHost,
+        backend: DeviceBackend,
+        batches: Sequence[PlannedBatch],
+        buffers: int,
+        *,
+        keep: bool,
+        spare: PackedHost | None = None,
     ) -> ArenaStaging:
-        """Cut each batch's views and transfers out of new arenas (released again until a step acquires them)."""
+        """Cut each batch's views and transfers out of new arenas (released again until a step acquires them), and its
+        transfers to and from ``spare`` (the packed spare copy, same layout) where there is one."""
         ranges = [packed.ranges(batch.slots) for batch in batches]
         arenas = StagingArenas(backend, _arena_sizes(packed, batches, buffers))
         # An arena is reused (by batch i, while batch i - buffers is copied out of it) only with more batches.
@@ -116,6 +124,11 @@ class ArenaStaging:
             ]
             middle = arenas.middle(index) if reused else arenas.sizes[index]
             batch.transfers, batch.front_transfers = split_at_middle(whole, middle)
+            if spare is not None:
+                spare_whole = [
+                    (spare.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()
+                ]
+                batch.spare_transfers, _ = split_at_middle(spare_whole, middle)
             for slot in batch.slots:
                 start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
                 batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))
@@ -174,6 +187,11 @@ class PerTensorStaging:
             batch.device_views = [_device_tensor(slot) for slot in batch.slots]
             batch.transfers = [
                 (slot.host_mirror, view) for slot, view in zip(batch.slots, batch.device_views, strict=True)
+            ]
+            batch.spare_transfers = [
+                (slot.spare, view)
+                for slot, view in zip(batch.slots, batch.device_views, strict=True)
+                if slot.spare is not None
             ]
             batch.front_transfers = len(batch.transfers)
         return cls(backend, batches, buffers)
@@ -242,11 +260,13 @@ def stage_batches(
     *,
     buffers: int = 2,
     keep: bool = False,
+    spare: PackedHost | None = None,
 ) -> Staging:
     """The staging of ``batches``, ``buffers`` of them at a time: arenas over a packed host layout (when anything
-    is swapped; ``keep``: allocated between steps too), else each state's own storage."""
+    is swapped; ``keep``: allocated between steps too; ``spare``: the packed spare copy), else each state's own
+    storage."""
     if store_packed is not None and sum(batch.nbytes for batch in batches) > 0:
-        return ArenaStaging.lay_out(store_packed, backend, batches, buffers, keep=keep)
+        return ArenaStaging.lay_out(store_packed, backend, batches, buffers, keep=keep, spare=spare)
     return PerTensorStaging.lay_out(backend, batches, buffers)
 
 

@@ -31,10 +31,11 @@ from ..backends.host_memory import HostMemoryMode, pinned_size
 from ..backends.protocol import DeviceBackend, Stream
 from ..backends.storage_spans import StorageSpans
 from ..dtensor import local_tensor, shard_layout, wrap_local
-from ..errors import HostMemoryError
+from ..errors import HostMemoryError, SwapStateError
 from .host_buffers import HostBuffers, host_buffers
 from .packed import PackedHost
-from .slots import SlotState, SwapSlot, is_swappable, is_swappable_dtype, layout_stride, transition
+from .slots import SlotState, SwapSlot, layout_stride, transition
+from .swap_decisions import SwapDecisions
 
 __all__ = ["HostLayout", "StateSource", "StateStore", "StoreOptions"]
 
@@ -73,6 +74,9 @@ class StoreOptions:
     packed: bool
     """One pinned buffer per dtype (each batch moves as one copy per dtype), or one per state."""
     host_memory: HostMemoryMode = "exact"
+    spare: bool = False
+    """Keep a second host copy of every swapped state (the *spare*, :mod:`~swap_core.runtime.host_buffers`): a walk
+    whose updates are provisional copies out to it, and :meth:`StateStore.flip` makes it current."""
 
 
 class StateStore:
@@ -91,16 +95,14 @@ class StateStore:
         self._backend = backend
         self._await_offloads = await_offloads
         self._host_memory: HostMemoryMode = options.host_memory
-        self._buffers: HostBuffers = host_buffers(backend, options.host_memory, packed=options.packed)
+        self._buffers: HostBuffers = host_buffers(
+            backend, options.host_memory, packed=options.packed, copies=2 if options.spare else 1
+        )
         self._state = state
-        self._swap_keys = frozenset(options.swap_keys) if options.swap_keys is not None else None
-        """``None``: every key (an adapter that knows no key names in advance)."""
-        self._min_numel = options.min_numel
-        self._offload_fraction = options.offload_fraction
+        keys = frozenset(options.swap_keys) if options.swap_keys is not None else None
+        self._decisions = SwapDecisions(keys, options.min_numel, options.offload_fraction)
         self._copy_stream = copy_stream
         self.slots: dict[torch.Tensor, dict[str, SwapSlot]] = {}
-        self._swapped_bytes = 0
-        self._candidate_bytes = 0
         self.version = 0
         """Bumped whenever the set of slots or their host layout changes (plans are rebuilt)."""
         self._serial = next(_STORE_SERIALS)
@@ -128,27 +130,7 @@ class StateStore:
     # -- deciding -------------------------------------------------------------
     def should_swap(self, key: str, template: torch.Tensor | StateInit) -> bool:
         """Whether a new state goes to host memory; books it against ``offload_fraction``."""
-        nbytes = self._eligible_bytes(key, template)
-        if nbytes is None:
-            return False
-        self._candidate_bytes += nbytes
-        if self._swapped_bytes + nbytes > self._offload_fraction * self._candidate_bytes:
-            return False
-        self._swapped_bytes += nbytes
-        return True
-
-    def _eligible_bytes(self, key: str, template: torch.Tensor | StateInit) -> int | None:
-        """The bytes of a state that may be swapped (its key, dtype and size allow it), else ``None``."""
-        if self._swap_keys is not None and key not in self._swap_keys:
-            return None
-        if isinstance(template, StateInit):
-            eligible = is_swappable_dtype(template.dtype) and _numel(template.shape) >= max(self._min_numel, 1)
-            nbytes = _numel(template.shape) * template.dtype.itemsize
-        else:
-            local = local_tensor(template)
-            eligible = is_swappable(local, min_numel=self._min_numel)
-            nbytes = local.numel() * local.element_size()
-        return nbytes if eligible else None
+        return self._decisions.should_swap(key, template)
 
     def check_room_for(
         self, fresh: Sequence[tuple[torch.Tensor, str, StateInit]], order: Sequence[torch.Tensor]
@@ -156,16 +138,8 @@ class StateStore:
         """Refuse, before a step creates them, the states ``fresh`` (``(parameter, key, template)``) if host memory
         cannot take those of them that would be swapped: each in a buffer of its own while the step runs, then, in
         packed mode, the whole layout re-packed beside them. Nothing is booked or allocated."""
-        swapped, candidates = self._swapped_bytes, self._candidate_bytes
-        new: list[SwapSlot] = []
-        for param, key, template in fresh:
-            nbytes = self._eligible_bytes(key, template)
-            if nbytes is None:
-                continue
-            candidates += nbytes
-            if swapped + nbytes <= self._offload_fraction * candidates:
-                swapped += nbytes
-                new.append(SwapSlot.whole(param, key, template.shape, template.dtype))
+        swapped = self._decisions.would_swap(fresh)
+        new = [SwapSlot.whole(param, key, template.shape, template.dtype) for param, key, template in swapped]
         if not new:
             return
         needed = sum(pinned_size(slot.nbytes, self._host_memory) for slot in new)
@@ -198,15 +172,14 @@ class StateStore:
     def all_or_nothing(self) -> Iterator[None]:
         """Decisions (:meth:`should_swap`) and slots added in the block are undone if it raises."""
         saved = (
-            self._swapped_bytes,
-            self._candidate_bytes,
+            dataclasses.replace(self._decisions),
             {param: dict(slots) for param, slots in self.slots.items()},
             self._buffers.saved(),
         )
         try:
             yield
         except BaseException:
-            self._swapped_bytes, self._candidate_bytes, self.slots, own_buffers = saved
+            self._decisions, self.slots, own_buffers = saved
             self._buffers.restore(own_buffers)
             raise
 
@@ -288,6 +261,11 @@ class StateStore:
         return self._buffers.packed_host
 
     @property
+    def spare_host(self) -> PackedHost | None:
+        """The spare copy of the packed host buffers (``None`` without one, or with per-tensor ones)."""
+        return self._buffers.spare_host
+
+    @property
     def has_unpacked(self) -> bool:
         """Whether a packed store holds slots added ``unpacked`` (a plan must not be built before :meth:`pack`)."""
         return self._buffers.has_unpacked
@@ -304,8 +282,7 @@ class StateStore:
         self._await_offloads()
         for param in params:
             for slot in self.slots.pop(param, {}).values():
-                self._swapped_bytes -= slot.nbytes
-                self._candidate_bytes -= slot.nbytes
+                self._decisions.forget(slot.nbytes)
                 self._buffers.forget(slot)
         self.version += 1
 
@@ -399,6 +376,22 @@ class StateStore:
         raise HostMemoryError(message)
 
     # -- reporting ------------------------------------------------------------
+    def flip(self) -> None:
+        """The spare copy of every swapped state becomes its host mirror, and the mirror its spare (a walk copied
+        every state out to the spare and its step commits): ``state`` shows the new mirrors; nothing is copied."""
+        for slots in self.slots.values():
+            for slot in slots.values():
+                if slot.spare is None:
+                    raise SwapStateError(f"{slot!r} has no spare copy to make current")
+                slot.host, slot.spare = slot.spare, slot.host
+                self._publish(slot)
+        self._buffers.flip()
+
+    @property
+    def spare_bytes(self) -> int:
+        """Host bytes of the spare copies (0 without them)."""
+        return self._buffers.spare_bytes
+
     @property
     def host_pinned_bytes(self) -> int:
         """Host bytes pinned for the swapped states, rounding included."""
@@ -445,7 +438,3 @@ def _is_view_of(local: torch.Tensor, mirror: torch.Tensor) -> bool:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB ({nbytes} bytes)"
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return torch.Size(shape).numel()

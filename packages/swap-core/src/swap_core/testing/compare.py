@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["assert_bitwise_equal", "assert_state_dicts_equal"]
+__all__ = ["assert_bitwise_equal", "assert_state_dicts_equal", "assert_trained_alike"]
 
 
 def assert_bitwise_equal(expected: torch.Tensor, actual: torch.Tensor, context: str) -> None:
@@ -43,6 +43,19 @@ def assert_state_dicts_equal(expected: Mapping[str, Any], actual: Mapping[str, A
     """Same structure, same non-tensor values, bitwise-equal tensors."""
     assert list(expected["param_groups"]) == list(actual["param_groups"]), f"{context}: param_groups differ"
     _assert_values_equal(expected["state"], actual["state"], f"{context}: state")
+
+
+def assert_trained_alike(
+    expected_model: torch.nn.Module,
+    model: torch.nn.Module,
+    expected_optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer,
+    context: str,
+) -> None:
+    """Two loops left the same parameters (named, in order) and the same optimizer state dict, bitwise."""
+    for (name, expected), actual in zip(expected_model.named_parameters(), model.parameters(), strict=True):
+        assert_bitwise_equal(expected, actual, f"{context}: {name}")
+    assert_state_dicts_equal(expected_optimizer.state_dict(), optimizer.state_dict(), f"{context}: optimizer")
 
 
 def _assert_values_equal(expected: Any, actual: Any, where: str) -> None:

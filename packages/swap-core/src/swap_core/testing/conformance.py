@@ -45,12 +45,14 @@ if TYPE_CHECKING:
     import pytest
 
 __all__ = [
+    "CLIP_NORMS",
     "MASTER_MODES",
     "SIM_MODES",
     "ConformanceCase",
     "FaultPoint",
     "check_accounting",
     "check_checkpoint_round_trip",
+    "check_clipped_in_backward",
     "check_fault",
     "check_parity",
     "fault_points",
@@ -124,6 +126,34 @@ def check_parity(case: ConformanceCase, backend: DeviceBackend, **overrides: Any
         if step > 0 and not skips_a_gradient(case, step):
             assert_stepped_in_backward(pair.swapped, f"{case.name} step {step}")
     pair.assert_equal(f"{case.name} after {case.steps} steps")
+    races = getattr(backend, "races", [])
+    assert not races, f"{case.name}: the simulator reported races: {races}"
+
+
+CLIP_NORMS = (1e30, 1e-3)
+"""The total norms the clipping check clips to on even and odd steps: one that never binds (``clip_grad_norm_``
+multiplies by exactly 1) and one that always does."""
+
+
+def check_clipped_in_backward(case: ConformanceCase, backend: DeviceBackend, **overrides: Any) -> None:
+    """``SwapConfig(step="in_backward")`` with ``clip_grad_norm_`` between backward and step, on both optimizers,
+    binding on odd steps only: bitwise the plain loop after every step; a step that clipped takes back every batch
+    the backward updated, one that did not commits them."""
+    pair = make_pair(case, backend, **{**overrides, "step": "in_backward"})
+    for step in range(case.steps):
+        pair.max_norm = CLIP_NORMS[step % 2]
+        pair.step_both()
+        where = f"{case.name} step {step}, clipped to {pair.max_norm}"
+        pair.assert_params_equal(where)
+        stats = pair.swapped.stats
+        if step == 0 or skips_a_gradient(case, step):
+            continue
+        if step % 2:
+            assert stats.batches_taken_back > 0 and stats.batches_in_backward == 0, f"{where}: {stats}"
+        else:
+            assert stats.batches_taken_back == 0, f"{where}: {stats}"
+            assert_stepped_in_backward(pair.swapped, where)
+    pair.assert_equal(f"{case.name} after {case.steps} clipped steps")
     races = getattr(backend, "races", [])
     assert not races, f"{case.name}: the simulator reported races: {races}"
 
@@ -275,7 +305,25 @@ def _parity_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., N
         _require_device_type(case, backend_name)
         check_parity(case, swap_backend_factory(mode=mode, seed=seed), **options)
 
-    return {"test_conformance_parity": test_conformance_parity, "test_conformance_options": test_conformance_options}
+    @case_param
+    @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+    @pytest.mark.parametrize("mode,seed", OPTION_MODES, ids=[f"{m}{s}" for m, s in OPTION_MODES])
+    def test_conformance_clipped_in_backward(
+        case: ConformanceCase,
+        packed: bool,
+        mode: str,
+        seed: int,
+        swap_backend_factory: BackendFactory,
+        backend_name: str,
+    ) -> None:
+        _require_device_type(case, backend_name)
+        check_clipped_in_backward(case, swap_backend_factory(mode=mode, seed=seed), packed=packed)
+
+    return {
+        "test_conformance_parity": test_conformance_parity,
+        "test_conformance_options": test_conformance_options,
+        "test_conformance_clipped_in_backward": test_conformance_clipped_in_backward,
+    }
 
 
 def _accounting_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:

@@ -160,6 +160,8 @@ class Pair:
     swapped_params: list[torch.Tensor]
     swapped: SwapOptimizer
     steps_taken: int = 0
+    max_norm: float | None = None
+    """When set, both sides clip their gradients to this total norm (``clip_grad_norm_``) before each step."""
 
     def step_both(self, count: int = 1) -> None:
         for _ in range(count):
@@ -169,11 +171,17 @@ class Pair:
 
     def step_reference(self) -> None:
         set_grads(self.case, self.reference_params, self.steps_taken)
+        self._clip(self.reference_params)
         self.reference.step()
 
     def step_swapped(self) -> None:
         give_grads(self.case, self.swapped, self.swapped_params, self.steps_taken)
+        self._clip(self.swapped_params)
         self.swapped.step()
+
+    def _clip(self, params: Sequence[torch.Tensor]) -> None:
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.max_norm)
 
     def assert_params_equal(self, context: str) -> None:
         for index, (expected, actual) in enumerate(zip(self.reference_params, self.swapped_params, strict=True)):

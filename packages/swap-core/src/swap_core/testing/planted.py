@@ -20,15 +20,23 @@ from unittest import mock
 
 from ..optimizer import plan_cache
 from ..optimizer.in_backward import driver as in_backward_driver
+from ..runtime.pipeline import PipelineScheduler
 from ..runtime.plan import build_plan
 from ..runtime.staging import ArenaStaging, Offloaded, StagingWalk
+from ..runtime.update_undo import UpdateUndo
 
 __all__ = [
+    "TAKE_BACK_PARTS",
+    "commits_without_the_check",
     "copy_ins_issued_after_the_copy_out_before",
     "copy_ins_wait_for_the_copy_out",
     "plans_built",
+    "take_back_misses",
     "updates_held_back_to_step",
 ]
+
+TAKE_BACK_PARTS = ("swapped_states", "resident_states", "params", "masters")
+"""What :func:`take_back_misses` can leave out of a take-back."""
 
 
 @contextlib.contextmanager
@@ -91,3 +99,42 @@ def plans_built() -> Iterator[list[int]]:
 
     with mock.patch.object(plan_cache, "build_plan", counted):
         yield built
+
+
+@contextlib.contextmanager
+def commits_without_the_check() -> Iterator[None]:
+    """``step()`` commits the step begun inside the backward whatever changed since (clipped gradients, a new
+    learning rate...)."""
+    with mock.patch.object(in_backward_driver, "why_not_commit", lambda *args, **kwargs: []):
+        yield
+
+
+@contextlib.contextmanager
+def take_back_misses(part: str) -> Iterator[None]:
+    """A take-back of provisional updates leaves ``part`` (one of :data:`TAKE_BACK_PARTS`) as the updates wrote it:
+    the swapped states (their copy-outs write the mirrors, as a final step's do), the resident states or the
+    parameters (not kept before the update), or the parameters of the masters (not rounded again from the masters
+    as they were)."""
+    kept_nothing: dict[str, str] = {
+        "resident_states": "keep_states",
+        "params": "keep_params",
+        "masters": "keep_from_master",
+    }
+    patch: contextlib.AbstractContextManager[Any]
+    if part == "swapped_states":
+        offload = PipelineScheduler.offload_batch
+
+        def to_the_mirrors(self: PipelineScheduler, *args: Any, **kwargs: Any) -> Offloaded:
+            return offload(self, *args, **{**kwargs, "to_spare": False})
+
+        patch = mock.patch.object(PipelineScheduler, "offload_batch", to_the_mirrors)
+    elif part in kept_nothing:
+        patch = mock.patch.object(UpdateUndo, kept_nothing[part], _keeps_nothing)
+    else:
+        raise ValueError(f"take_back_misses({part!r}): expected one of {TAKE_BACK_PARTS}")
+    with patch:
+        yield
+
+
+def _keeps_nothing(*args: Any, **kwargs: Any) -> None:
+    """An :class:`UpdateUndo` keep that keeps nothing (``keep_params``' event: none)."""

@@ -56,6 +56,27 @@ class GroupSnapshot:
         _, version, copy = self._versions[id(value)]
         return value if tensor_version(value) == version else copy
 
+    def undo_since(self, groups: Sequence[dict[str, Any]], after: GroupSnapshot) -> None:
+        """Take back what the updates wrote to ``groups`` between this snapshot and ``after`` (taken right after
+        them): a value still as ``after`` has it but not as this one does goes back to this one's (a tensor written in
+        place, from its copy); a value changed since ``after`` (the user's) stays. Nothing when the number of groups
+        changed."""
+        if not (len(groups) == len(self._values) == len(after._values)):
+            return
+        for before, updated, group in zip(self._values, after._values, groups, strict=True):
+            for key in (set(before) | set(updated)) - {"params"}:
+                old, new = before.get(key, _ABSENT), updated.get(key, _ABSENT)
+                if not after._same(new, group.get(key, _ABSENT)):
+                    continue  # changed since the updates: the user's
+                if isinstance(old, torch.Tensor) and new is old:
+                    if tensor_version(old) != self._versions[id(old)][1]:
+                        with torch.no_grad():
+                            old.copy_(self._versions[id(old)][2])
+                elif old is _ABSENT:
+                    group.pop(key, None)
+                elif not self._same(old, new):
+                    group[key] = self._as_taken(old)
+
     @contextlib.contextmanager
     def in_place(self, groups: Sequence[dict[str, Any]]) -> Iterator[None]:
         """The snapshot's values in ``groups`` for the block (where as many groups as it has), the values they had

@@ -1,0 +1,67 @@
+"""Which new states go to host memory: their key, dtype and size allow it, and ``offload_fraction`` of the bytes
+that could is not exceeded (each decision booked, so that the fraction holds over every state decided so far)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..adapters.base import StateInit
+from ..dtensor import local_tensor
+from .slots import is_swappable, is_swappable_dtype
+
+__all__ = ["SwapDecisions"]
+
+
+@dataclasses.dataclass
+class SwapDecisions:
+    """The decisions of one store (see the module)."""
+
+    swap_keys: frozenset[str] | None
+    """The keys that may be swapped (``None``: every key, for an adapter that knows no key names in advance)."""
+    min_numel: int
+    offload_fraction: float
+    swapped_bytes: int = 0
+    """Bytes of the states decided swapped (and not forgotten since)."""
+    candidate_bytes: int = 0
+    """Bytes of the states that could have been."""
+
+    def should_swap(self, key: str, template: torch.Tensor | StateInit) -> bool:
+        """Whether a new state goes to host memory; books it against ``offload_fraction``."""
+        nbytes = self.eligible_bytes(key, template)
+        if nbytes is None:
+            return False
+        self.candidate_bytes += nbytes
+        if self.swapped_bytes + nbytes > self.offload_fraction * self.candidate_bytes:
+            return False
+        self.swapped_bytes += nbytes
+        return True
+
+    def would_swap(
+        self, fresh: Sequence[tuple[torch.Tensor, str, StateInit]]
+    ) -> list[tuple[torch.Tensor, str, StateInit]]:
+        """Those of ``fresh`` (``(parameter, key, template)``) that :meth:`should_swap` would send to host memory, one
+        after the other, without booking anything."""
+        booked = dataclasses.replace(self)
+        return [(param, key, template) for param, key, template in fresh if booked.should_swap(key, template)]
+
+    def forget(self, nbytes: int) -> None:
+        """A swapped state of ``nbytes`` is gone."""
+        self.swapped_bytes -= nbytes
+        self.candidate_bytes -= nbytes
+
+    def eligible_bytes(self, key: str, template: torch.Tensor | StateInit) -> int | None:
+        """The bytes of a state that may be swapped (its key, dtype and size allow it), else ``None``."""
+        if self.swap_keys is not None and key not in self.swap_keys:
+            return None
+        if isinstance(template, StateInit):
+            numel = torch.Size(template.shape).numel()
+            eligible = is_swappable_dtype(template.dtype) and numel >= max(self.min_numel, 1)
+            nbytes = numel * template.dtype.itemsize
+        else:
+            local = local_tensor(template)
+            eligible = is_swappable(local, min_numel=self.min_numel)
+            nbytes = local.numel() * local.element_size()
+        return nbytes if eligible else None

@@ -1,0 +1,145 @@
+"""What taking back a provisional update needs besides the swapped states: the parameters and the resident states.
+
+A batch updated provisionally (inside the backward, until ``step()`` commits it) copies its swapped states out to
+their spare host copies, so their mirrors still hold the state before the step. The update also writes, in place on
+the device, the batch's parameters and its states that stay resident (small ones, step counters). They are kept:
+
+- a parameter with an fp32 master needs nothing: it is its master rounded, and its master's mirror still holds the
+  master before the step (:meth:`UpdateUndo.keep_from_master`); a take-back copies it in and rounds it again;
+- any other parameter's local tensor is copied to a pinned host buffer of its own (made once, reused every step) on
+  the copy stream when its batch is copied in (:meth:`UpdateUndo.keep_params`), so that the copy runs beside the
+  walk's; the update waits for it (:meth:`UpdateUndo.wait_for_params`). One more copy of the parameter's bytes
+  device-to-host per step;
+- each resident state tensor is cloned where it lives (a device copy for a device tensor, a host one for a step
+  counter on the CPU) right before the update, and other values are kept as they are (:meth:`UpdateUndo.keep_states`).
+
+:meth:`UpdateUndo.restore` puts them back (the host waits for every copy first); :meth:`UpdateUndo.clear` forgets
+them once the step committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..backends.protocol import DeviceBackend, Event, Stream
+from ..dtensor import local_tensor
+
+__all__ = ["UpdateUndo"]
+
+
+class UpdateUndo:
+    """The parameters and resident states of the batches updated provisionally, as they were before."""
+
+    def __init__(self, backend: DeviceBackend) -> None:
+        self._backend = backend
+        self._host_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """A pinned host buffer per parameter, made at its first keep and reused (dropped with the parameter)."""
+        self._kept_params: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """``(parameter's local tensor, its host buffer)`` of each parameter kept since the last clear."""
+        self._kept_states: list[tuple[dict[str, Any], dict[str, Any], frozenset[str]]] = []
+        """``(state entry, its resident values as they were, its swapped keys)`` of each parameter kept since the
+        last clear."""
+        self._from_masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """``(parameter's local tensor, its master's host mirror)`` of each parameter restored from its master."""
+
+    def __bool__(self) -> bool:
+        return bool(self._kept_params or self._kept_states or self._from_masters)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of the parameters' buffers."""
+        buffers: list[torch.Tensor] = list(self._host_params.values())  # type: ignore[no-untyped-call]
+        return sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+
+    def keep_params(self, params: Iterable[torch.Tensor], *, compute: Stream, copy_stream: Stream) -> Event | None:
+        """Copy ``params`` to their host buffers on ``copy_stream``, after the work issued to ``compute`` so far (an
+        earlier update of theirs); the event an update that writes them must wait for (``None``: nothing copied)."""
+        backend = self._backend
+        pairs = [(param, local_tensor(param.detach())) for param in params]
+        if not pairs:
+            return None
+        backend.wait_event(copy_stream, backend.record_event(compute))
+        for param, local in pairs:
+            host = self._host_buffer(param, local)
+            backend.copy(host, local, stream=copy_stream)
+            self._kept_params.append((local, host))
+        return backend.record_event(copy_stream)
+
+    def wait_for_params(self, kept: Event | None, *, compute: Stream) -> None:
+        """Before an update on ``compute`` writes the parameters :meth:`keep_params` copied out (``kept``)."""
+        if kept is not None:
+            self._backend.wait_event(compute, kept)
+
+    def keep_from_master(self, param: torch.Tensor, master_mirror: torch.Tensor) -> None:
+        """``param`` is its fp32 master rounded, and ``master_mirror`` (the master's host mirror) holds the master as
+        it was: a take-back rounds it again into ``param``."""
+        self._from_masters.append((local_tensor(param.detach()), master_mirror))
+
+    def keep_states(self, states: Iterable[tuple[dict[str, Any], frozenset[str]]]) -> None:
+        """The resident values of each ``(state entry, its swapped keys)``, as they are now (right before an
+        update)."""
+        for entry, swapped in states:
+            self._kept_states.append((entry, _resident_values(entry, swapped), swapped))
+
+    def restore(self, *, compute: Stream) -> None:
+        """Put every kept parameter and resident state back (the host waits for the copies), then forget them."""
+        backend = self._backend
+        backend.synchronize()  # the copies out of the parameters have landed
+        for local, host in reversed(self._kept_params):
+            backend.copy(local, host, stream=compute)
+        for local, master in self._from_masters:
+            on_device = backend.empty(master.shape, master.dtype)
+            backend.copy(on_device, master, stream=compute)
+            with torch.no_grad():
+                local.copy_(on_device)  # rounded to nearest even, as the update sets it from its master
+        for entry, values, swapped in reversed(self._kept_states):
+            _put_back(entry, values, swapped)
+        backend.synchronize()  # the host buffers are free to be written by the next keep
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget what was kept (the step committed)."""
+        self._kept_params = []
+        self._kept_states = []
+        self._from_masters = []
+
+    def _host_buffer(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``param``'s pinned host buffer, laid out as its local tensor (made at its first keep)."""
+        buffer: torch.Tensor | None = self._host_params.get(param)  # type: ignore[no-untyped-call]
+        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+            flat = self._backend.empty_host(local.numel(), local.dtype)
+            buffer = flat.view(local.shape) if local.is_contiguous() else flat.as_strided(local.shape, local.stride())
+            self._host_params[param] = buffer
+        return buffer
+
+
+def _resident_values(entry: Mapping[str, Any], swapped: frozenset[str]) -> dict[str, Any]:
+    """The values of ``entry`` that are not swapped, as they are now (tensors cloned where they live)."""
+    return {
+        key: value.detach().clone() if isinstance(value, torch.Tensor) else value
+        for key, value in entry.items()
+        if key not in swapped
+    }
+
+
+def _put_back(entry: dict[str, Any], values: Mapping[str, Any], swapped: frozenset[str]) -> None:
+    """``entry``'s resident values as kept: written back in place where the tensor is the same shape and dtype, set
+    otherwise; keys the update added are removed (a swapped key is the store's)."""
+    for key in [key for key in entry if key not in values and key not in swapped]:
+        del entry[key]
+    for key, value in values.items():
+        current = entry.get(key)
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(current, torch.Tensor)
+            and current.shape == value.shape
+            and current.dtype == value.dtype
+        ):
+            with torch.no_grad():
+                current.copy_(value)
+        else:
+            entry[key] = value
