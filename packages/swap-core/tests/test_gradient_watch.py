@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap_core.optimizer.in_backward.gradient_fingerprint import CHUNK, fingerprint
+from swap_core.optimizer.in_backward.gradient_fingerprint import CHUNK, ROW, fingerprint
 from swap_core.optimizer.in_backward.gradient_watch import GradientWatch
 from swap_core.sim import SimBackend
 
@@ -29,19 +29,28 @@ def test_equal_bits_give_equal_fingerprints_and_one_changed_element_changes_them
         assert not torch.equal(fingerprint(tensor), fingerprint(changed)), (dtype, position)
 
 
-def test_a_tensor_over_one_chunk_has_a_sum_per_chunk_and_a_change_in_the_last_shows() -> None:
-    tensor = _random(CHUNK + 3, torch.bfloat16)
+@pytest.mark.parametrize(("dtype", "sums_in"), [(torch.bfloat16, torch.int32), (torch.float32, torch.int64)], ids=str)
+def test_a_tensor_over_one_chunk_has_a_sum_per_row_and_a_change_shows_in_its_row_only(
+    dtype: torch.dtype, sums_in: torch.dtype
+) -> None:
+    tensor = _random(CHUNK + ROW + 3, dtype)
     noted = fingerprint(tensor)
-    assert noted.shape == (2,) and noted.dtype == torch.int64
-    tensor[-1] = tensor[-1] * 2 + 1
-    assert torch.equal(noted[:1], fingerprint(tensor)[:1]) and not torch.equal(noted, fingerprint(tensor))
+    assert noted.shape == (CHUNK // ROW + 2,) and noted.dtype == sums_in, "a sum a row; the last row, 3 long"
+    for position, row in ((5, 0), (CHUNK + 7, CHUNK // ROW), (CHUNK + ROW + 2, CHUNK // ROW + 1)):
+        changed = tensor.clone()
+        changed[position] = changed[position] * 2 + 1
+        differs = (fingerprint(changed) != noted).nonzero().flatten().tolist()
+        assert differs == [row], (position, differs)
 
 
-def test_a_scaled_gradient_changes_and_a_gradient_scaled_by_one_does_not() -> None:
-    grad = _random(4096, torch.float32)
-    noted = fingerprint(grad)
-    assert torch.equal(noted, fingerprint(grad * 1.0)), "clip_grad_norm_ that does not bind multiplies by 1"
-    assert not torch.equal(noted, fingerprint(grad * 0.999))
+def test_the_most_negative_words_sum_exactly() -> None:
+    """Every word at its most negative value: each row sum is that value times the sum of the row's weights (the
+    fingerprint of words of 1), exactly: no wrap-around in either width."""
+    for dtype, words in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32), (torch.float64, torch.int32)):
+        count = 2 * ROW * (dtype.itemsize // words.itemsize)
+        weights = int(fingerprint(torch.ones(count, dtype=words).view(dtype))[0])
+        sums = fingerprint(torch.full((count,), torch.iinfo(words).min, dtype=words).view(dtype)).tolist()
+        assert sums == [torch.iinfo(words).min * weights] * len(sums), (dtype, sums[:2])
 
 
 def test_non_contiguous_and_empty_tensors_have_fingerprints() -> None:
