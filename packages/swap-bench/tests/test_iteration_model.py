@@ -30,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[3]
     WORLD_8_4K_MASTERS_8_A_HOST,
     WORLD_1_MASTERS,
     WORLD_1_MASTERS_3_STAGED,
+    WORLD_8_4K_NOT_BINDING,
+    WORLD_8_4K_BINDING,
+    WORLD_8_4K_MASTERS_NOT_BINDING,
+    WORLD_8_4K_MASTERS_BINDING,
 ) = documented_models()
 
 
@@ -90,6 +94,36 @@ def test_a_copy_in_held_behind_the_copy_out_before_it_breaks_the_goal() -> None:
     walk), so the link never runs both ways at once."""
     with planted.copy_ins_issued_after_the_copy_out_before():
         assert _inside_over_unswapped(WORLD_8_4K_MASTERS) > 1.05
+
+
+@pytest.mark.parametrize(
+    ("clipped", "plain"),
+    [(WORLD_8_4K_NOT_BINDING, WORLD_8_4K), (WORLD_8_4K_MASTERS_NOT_BINDING, WORLD_8_4K_MASTERS)],
+    ids=["world8-4k", "world8-4k-masters"],
+)
+def test_a_clip_that_does_not_bind_costs_the_iteration_inside_the_backward_under_1_percent(
+    clipped: IterationModel, plain: IterationModel
+) -> None:
+    """``clip_grad_norm_`` that never binds multiplies every gradient by exactly 1: each step commits, and the
+    iteration costs only the clip itself more (its norms and its multiply on the compute stream)."""
+    with_clip, without = model_iteration(clipped), model_iteration(plain)
+    assert with_clip.in_backward_seconds <= 1.01 * without.in_backward_seconds, (with_clip, without)
+    assert with_clip.in_backward_seconds > without.in_backward_seconds, "the clip itself is timed"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 43's goal, not met yet: a take-back waits for the provisional walk's copies on the host and "
+    "restores the parameters before the step runs again (1.17 x after the backward's iteration, see the docs)",
+)
+@pytest.mark.parametrize(
+    "spec", [WORLD_8_4K_BINDING, WORLD_8_4K_MASTERS_BINDING], ids=["world8-4k", "world8-4k-masters"]
+)
+def test_a_clip_that_binds_at_every_step_costs_at_most_5_percent_over_the_step_after_the_backward(
+    spec: IterationModel,
+) -> None:
+    row = model_iteration(spec)
+    assert row.in_backward_seconds <= 1.05 * row.after_backward_seconds, row
 
 
 def test_the_table_of_the_step_in_backward_page() -> None:

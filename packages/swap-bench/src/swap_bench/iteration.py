@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -27,9 +28,25 @@ from swap_core.sim import LinkModel, MetaBackend, modeled_iterations
 from .models import MODELS, ModelShape, fsdp_shard_shape
 from .workloads import OPTIMIZERS, OptimizerSpec
 
-__all__ = ["IterationModel", "IterationRow", "documented_models", "iteration_table", "model_iteration"]
+__all__ = [
+    "MAX_NORM",
+    "Clipping",
+    "IterationModel",
+    "IterationRow",
+    "documented_models",
+    "iteration_table",
+    "model_iteration",
+]
 
 StepPlace = Literal["after_backward", "in_backward"]
+
+Clipping = Literal["none", "not_binding", "binding"]
+"""``clip_grad_norm_`` between the backward and ``step()`` in every loop: none; one that never binds (it multiplies
+every gradient by exactly 1, in place: a step begun inside the backward commits); one that binds at every step (the
+gradients, scaled, are new tensors: that step is taken back and redone after the backward)."""
+
+MAX_NORM = 1.0
+"""The norm the modeled loops clip to."""
 
 ITERATIONS = 3
 """Iterations timed after the first (which creates the states): the last one is reported."""
@@ -54,6 +71,8 @@ class IterationModel:
     """The forward's and backward's share of the device's matmul peak (``LinkModel.device_tflops``)."""
     staging_buffers: int = 2
     """Batches staged on the device at a time (``SwapConfig.staging_buffers``)."""
+    clipping: Clipping = "none"
+    """Whether and how every loop clips its gradients' total norm before ``step()``."""
 
     @property
     def compute_seconds(self) -> float:
@@ -75,6 +94,7 @@ class IterationRow:
     ranks_per_node: int
     swap_times: int
     staging_buffers: int
+    clipping: Clipping
     compute_seconds: float
     """The forward and backward alone."""
     unswapped_seconds: float
@@ -116,6 +136,7 @@ def model_iteration(spec: IterationModel) -> IterationRow:
         ranks_per_node=spec.ranks_per_node,
         swap_times=spec.swap_times,
         staging_buffers=spec.staging_buffers,
+        clipping=spec.clipping,
         compute_seconds=spec.compute_seconds,
         unswapped_seconds=unswapped,
         after_backward_seconds=after_backward,
@@ -136,6 +157,7 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
     if step is None:
 
         def run_step() -> None:
+            _clip(backend, params, spec.clipping)
             with backend.compute_scope():
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -151,6 +173,7 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
         optimizer = swap_optimizer(optimizer, config)
 
         def run_step() -> None:
+            _clip(backend, params, spec.clipping)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step == "in_backward":
@@ -165,6 +188,23 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
     )
     copied = getattr(optimizer, "stats", None)
     return seconds[-1], 0 if copied is None else copied.h2d_bytes
+
+
+def _clip(backend: MetaBackend, params: Sequence[torch.nn.Parameter], clipping: Clipping) -> None:
+    """``clip_grad_norm_`` on the compute stream (its norms and its multiply timed by the bytes they touch); binding,
+    the scaled gradients are new tensors, as a clip that changes them must be told from one that does not (meta
+    tensors have no bits to compare)."""
+    if clipping == "none":
+        return
+    with backend.compute_scope():
+        if clipping == "not_binding":
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            return
+        grads = [param.grad for param in params if param.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        scaled = torch._foreach_mul(grads, (MAX_NORM / (norm + 1e-6)).clamp(max=1.0))
+        for param, grad in zip([param for param in params if param.grad is not None], scaled, strict=True):
+            param.grad = grad
 
 
 def _layers(spec: IterationModel, dtype: torch.dtype) -> list[tuple[list[torch.nn.Parameter], float]]:
@@ -227,14 +267,15 @@ class _LayerNode(torch.autograd.Function):
 def iteration_table(rows: Sequence[IterationRow]) -> str:
     """``rows`` as a markdown table: the iteration each way, and the swapped ones over the lower bound."""
     lines = [
-        "| model | world | tokens a rank | masters | ranks a host | batches | staged | unswapped | "
+        "| model | world | tokens a rank | masters | ranks a host | batches | staged | clipping | unswapped | "
         "after the backward | inside the backward | transfers' bound | inside / lower bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row.name} | {row.world} | {row.tokens:,} | {'yes' if row.master_weights else 'no'} | "
-            f"{row.ranks_per_node} | {row.swap_times} | {row.staging_buffers} | {row.unswapped_seconds * 1e3:.1f} ms | "
+            f"{row.ranks_per_node} | {row.swap_times} | {row.staging_buffers} | {row.clipping.replace('_', ' ')} | "
+            f"{row.unswapped_seconds * 1e3:.1f} ms | "
             f"{row.after_backward_seconds * 1e3:.1f} ms ({row.after_backward_seconds / row.unswapped_seconds:.3f} x) | "
             f"{row.in_backward_seconds * 1e3:.1f} ms ({row.in_backward_seconds / row.unswapped_seconds:.3f} x) | "
             f"{row.transfer_bound_seconds * 1e3:.1f} ms | {row.in_backward_seconds / row.lower_bound_seconds:.3f} x |"
@@ -246,7 +287,8 @@ def documented_models() -> list[IterationModel]:
     """The rows of docs/step-in-backward.md: a llama-7b rank with AdamW on PCIe 5 at its achievable rates, 8
     batches (16 at world 1), 40% of the peak: at world 8 with 4k and 64k tokens, with and without master weights,
     one and eight ranks a host; at world 1 with master weights, where the link cannot keep up, with two staging
-    buffers and with three."""
+    buffers and with three; at world 8 with 4k tokens, with and without master weights, clipping at 1.0 that never
+    binds and that always binds."""
     llama, adamw, link = MODELS["llama-7b"], OPTIMIZERS["adamw"], "pcie5-achievable"
     return [
         IterationModel(llama, 8, 4096, adamw, link, swap_times=8),
@@ -255,4 +297,9 @@ def documented_models() -> list[IterationModel]:
         IterationModel(llama, 8, 4096, adamw, link, swap_times=8, master_weights=True, ranks_per_node=8),
         IterationModel(llama, 1, 4096, adamw, link, swap_times=16, master_weights=True),
         IterationModel(llama, 1, 4096, adamw, link, swap_times=16, master_weights=True, staging_buffers=3),
+        *(
+            IterationModel(llama, 8, 4096, adamw, link, swap_times=8, master_weights=masters, clipping=clipping)
+            for masters in (False, True)
+            for clipping in typing.get_args(Clipping)[1:]
+        ),
     ]

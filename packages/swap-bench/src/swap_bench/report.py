@@ -28,13 +28,13 @@ __all__ = [
     "save_json",
 ]
 
-SCHEMA = "swap-bench/7"
+SCHEMA = "swap-bench/8"
 """Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``; 3:
 ``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds; 4: modeled rows' ``ranks_per_node`` and
 ``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share; 5:
 ``iteration_rows``, whole modeled iterations of ``plan --tokens``, empty in the other kinds; 6: modeled and
 iteration rows' ``staging_buffers``; 7: ``kind`` ``"device-perf"`` and ``device_perf_rows``, empty in the other
-kinds)."""
+kinds; 8: iteration rows' ``clipping``)."""
 
 
 @dataclasses.dataclass
