@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -247,6 +248,26 @@ def test_a_take_back_missing_a_part_fails_the_check(part: str) -> None:
     _failed_backward_taken_back(None)
     with pytest.raises(AssertionError):
         _failed_backward_taken_back(part)
+
+
+def test_a_take_back_whose_copies_back_keep_failing_names_what_it_could_not_put_back() -> None:
+    """Every copy back of a take-back fails, tried twice: ``zero_grad()`` raises naming the parameters it could not
+    put back and the fix (a checkpoint), after putting back everything else."""
+    twin_model, model = _model(), _model()
+    twin = _rmsprop(twin_model.parameters())
+    sim = SimBackend(mode="lazy")
+    optimizer = _swapped(model, sim)
+    _two_steps_then_a_raising_backward(twin_model, twin, model, optimizer)
+    copy = sim.copy
+
+    def refused(dst: torch.Tensor, src: torch.Tensor, *, stream: object) -> None:
+        if stream == sim.compute_stream():  # a take-back's copies back run there, the walks' on copy streams
+            raise RuntimeError("a copy back refused")
+        copy(dst, src, stream=stream)  # type: ignore[arg-type]
+
+    with mock.patch.object(sim, "copy", refused), pytest.raises(SwapStateError, match=r"could not put back \d+ param"):
+        optimizer.zero_grad(set_to_none=True)
+    assert_state_dicts_equal(twin.state_dict(), optimizer.state_dict(), "the states were put back")
 
 
 def test_a_commit_without_the_check_fails_the_clipping_parity() -> None:

@@ -19,7 +19,8 @@ them once the step committed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..backends.protocol import DeviceBackend, Event, Stream
 from ..dtensor import local_tensor
+from ..errors import SwapStateError
 
 __all__ = ["UpdateUndo"]
 
@@ -43,8 +45,10 @@ class UpdateUndo:
         self._kept_states: list[tuple[dict[str, Any], dict[str, Any], frozenset[str]]] = []
         """``(state entry, its resident values as they were, its swapped keys)`` of each parameter kept since the
         last clear."""
-        self._from_masters: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """``(parameter's local tensor, its master's host mirror)`` of each parameter restored from its master."""
+        self._from_masters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """``(parameter, its local tensor, its master's host mirror)`` of each parameter restored from its master."""
+        self._left: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """``(local tensor, master's host mirror)`` of the parameters a take-back left to the step that follows it."""
 
     def __bool__(self) -> bool:
         return bool(self._kept_params or self._kept_states or self._from_masters)
@@ -77,7 +81,7 @@ class UpdateUndo:
     def keep_from_master(self, param: torch.Tensor, master_mirror: torch.Tensor) -> None:
         """``param`` is its fp32 master rounded, and ``master_mirror`` (the master's host mirror) holds the master as
         it was: a take-back rounds it again into ``param``."""
-        self._from_masters.append((local_tensor(param.detach()), master_mirror))
+        self._from_masters.append((param, local_tensor(param.detach()), master_mirror))
 
     def keep_states(self, states: Iterable[tuple[dict[str, Any], frozenset[str]]]) -> None:
         """The resident values of each ``(state entry, its swapped keys)``, as they are now (right before an
@@ -85,21 +89,52 @@ class UpdateUndo:
         for entry, swapped in states:
             self._kept_states.append((entry, _resident_values(entry, swapped), swapped))
 
-    def restore(self, *, compute: Stream) -> None:
-        """Put every kept parameter and resident state back (the host waits for the copies), then forget them."""
+    def restore(self, *, compute: Stream, left_to_a_step: Callable[[torch.Tensor], bool] | None = None) -> None:
+        """Put every kept parameter and resident state back (the host waits for the copies), then forget them.
+
+        ``left_to_a_step``: the step runs again right after, and rounds again from its master, as it was, every
+        parameter with a master for which this is true (it has a gradient): those are left to it, not copied in
+        twice. Should that step fail, :meth:`restore_left` rounds them from their masters as the failure left them;
+        once it ran, :meth:`forget_left`."""
         backend = self._backend
         backend.synchronize()  # the copies out of the parameters have landed
+        failed: list[torch.Tensor] = []
         for local, host in reversed(self._kept_params):
-            backend.copy(local, host, stream=compute)
-        for local, master in self._from_masters:
-            on_device = backend.empty(master.shape, master.dtype)
-            backend.copy(on_device, master, stream=compute)
-            with torch.no_grad():
-                local.copy_(on_device)  # rounded to nearest even, as the update sets it from its master
+            _twice(failed, local, functools.partial(backend.copy, local, host, stream=compute))
+        for param, local, master in self._from_masters:
+            if left_to_a_step is not None and left_to_a_step(param):
+                self._left.append((local, master))
+            else:
+                _twice(failed, local, functools.partial(self._round_from, local, master, compute))
         for entry, values, swapped in reversed(self._kept_states):
             _put_back(entry, values, swapped)
         backend.synchronize()  # the host buffers are free to be written by the next keep
         self.clear()
+        _refuse_failed(failed)
+
+    def restore_left(self, *, compute: Stream) -> None:
+        """The step a take-back left parameters to failed: each is rounded again from its master's mirror, which
+        that step's recovery made current (the master it updated, or the one from before), so that every parameter
+        is its master rounded."""
+        backend = self._backend
+        left, self._left = self._left, []
+        backend.synchronize()  # the failed step's copies out of the masters have landed
+        failed: list[torch.Tensor] = []
+        for local, master in left:
+            _twice(failed, local, functools.partial(self._round_from, local, master, compute))
+        backend.synchronize()
+        _refuse_failed(failed)
+
+    def forget_left(self) -> None:
+        """The step a take-back left parameters to ran: it rounded them again."""
+        self._left = []
+
+    def _round_from(self, local: torch.Tensor, master: torch.Tensor, compute: Stream) -> None:
+        """``local`` set from the master in host memory ``master``, rounded to nearest even as the update sets it."""
+        on_device = self._backend.empty(master.shape, master.dtype)
+        self._backend.copy(on_device, master, stream=compute)
+        with torch.no_grad():
+            local.copy_(on_device)
 
     def clear(self) -> None:
         """Forget what was kept (the step committed)."""
@@ -115,6 +150,29 @@ class UpdateUndo:
             buffer = flat.view(local.shape) if local.is_contiguous() else flat.as_strided(local.shape, local.stride())
             self._host_params[param] = buffer
         return buffer
+
+
+def _twice(failed: list[torch.Tensor], local: torch.Tensor, put_back: Callable[[], object]) -> None:
+    """``put_back()`` (one parameter's copy back), tried again once if it raises (a copy refused for a moment); the
+    parameter's local tensor added to ``failed`` if it raises again, and the others put back all the same."""
+    for _ in range(2):
+        try:
+            put_back()
+        except Exception:  # every other parameter is still put back; reported by the caller
+            continue
+        return
+    failed.append(local)
+
+
+def _refuse_failed(failed: list[torch.Tensor]) -> None:
+    """Raise, after everything else was put back, when some parameters could not be."""
+    if failed:
+        raise SwapStateError(
+            f"Taking back the updates made inside the backward could not put back {len(failed)} parameter(s) (the "
+            f"first of shape {tuple(failed[0].shape)}): their copies back failed twice. They hold their provisional "
+            "values while the optimizer's states are as before that backward; reload the model and the optimizer "
+            "from a checkpoint"
+        )
 
 
 def _resident_values(entry: Mapping[str, Any], swapped: frozenset[str]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ __all__ = [
     "updates_held_back_to_step",
 ]
 
-TAKE_BACK_PARTS = ("swapped_states", "resident_states", "params", "masters")
+TAKE_BACK_PARTS = ("swapped_states", "resident_states", "params", "masters", "masters_left_to_a_failed_step")
 """What :func:`take_back_misses` can leave out of a take-back."""
 
 
@@ -113,8 +113,9 @@ def commits_without_the_check() -> Iterator[None]:
 def take_back_misses(part: str) -> Iterator[None]:
     """A take-back of provisional updates leaves ``part`` (one of :data:`TAKE_BACK_PARTS`) as the updates wrote it:
     the swapped states (their copy-outs write the mirrors, as a final step's do), the resident states or the
-    parameters (not kept before the update), or the parameters of the masters (not rounded again from the masters
-    as they were)."""
+    parameters (not kept before the update), the parameters of the masters (not rounded again from the masters
+    as they were), or those a take-back left to the step that runs again, when that step fails (not rounded again
+    from the masters as the failure left them)."""
     kept_nothing: dict[str, str] = {
         "resident_states": "keep_states",
         "params": "keep_params",
@@ -128,6 +129,8 @@ def take_back_misses(part: str) -> Iterator[None]:
             return offload(self, *args, **{**kwargs, "to_spare": False})
 
         patch = mock.patch.object(PipelineScheduler, "offload_batch", to_the_mirrors)
+    elif part == "masters_left_to_a_failed_step":
+        patch = mock.patch.object(UpdateUndo, "restore_left", _forgets_left)
     elif part in kept_nothing:
         patch = mock.patch.object(UpdateUndo, kept_nothing[part], _keeps_nothing)
     else:
@@ -138,3 +141,8 @@ def take_back_misses(part: str) -> Iterator[None]:
 
 def _keeps_nothing(*args: Any, **kwargs: Any) -> None:
     """An :class:`UpdateUndo` keep that keeps nothing (``keep_params``' event: none)."""
+
+
+def _forgets_left(self: UpdateUndo, *, compute: object) -> None:
+    """:meth:`UpdateUndo.restore_left` that rounds nothing again."""
+    self.forget_left()

@@ -51,19 +51,28 @@ class TakeBack:
         """A provisional step began over ``plan``, the param groups (``param_groups``) as ``groups`` took them."""
         self._open, self.groups_after = (plan, groups, param_groups), None
 
+    def stepped_again(self, *, failed: bool) -> None:
+        """The step that followed a take-back ran, or ``failed``: the parameters left to it are its, or are rounded
+        again from their masters as the failure left them."""
+        if failed:
+            self._undo.restore_left(compute=self._scheduler.compute)
+        else:
+            self._undo.forget_left()
+
     def closed(self) -> None:
         """The open step committed (or was taken back)."""
         self._open, self.groups_after = None, None
         self._undo.clear()
 
-    def __call__(self) -> bool:
-        """Take the open step back; whether one was open."""
+    def __call__(self, *, left_to_a_step: Callable[[torch.Tensor], bool] | None = None) -> bool:
+        """Take the open step back; whether one was open. ``left_to_a_step``: the step runs again right after, and
+        rounds again from their masters the parameters for which this is true (:meth:`UpdateUndo.restore`)."""
         opened, self._open = self._open, None
         if opened is None:
             return False
         plan, groups, param_groups = opened
         self._scheduler.abandon_plan(plan, provisional=True)
-        self._undo.restore(compute=self._scheduler.compute)
+        self._undo.restore(compute=self._scheduler.compute, left_to_a_step=left_to_a_step)
         groups.undo_since(param_groups, self.groups_after or groups)
         self.groups_after = None
         return True

@@ -297,7 +297,9 @@ class InBackward(StepDriver):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
 
-    def take_back_open_step(self, *, unless_committed: bool = True) -> bool:
+    def take_back_open_step(
+        self, *, unless_committed: bool = True, left_to_a_step: Callable[[torch.Tensor], bool] | None = None
+    ) -> bool:
         """Take back what a step begun inside the backward updated, if one is open and provisional (its walk ended,
         its parameters, resident states and group values as they were before it); whether one was. A step whose
         updates are not provisional stays open for ``step()`` to end, unless ``unless_committed`` is false (its walk
@@ -309,7 +311,7 @@ class InBackward(StepDriver):
         now.started = None
         try:
             if self._take_back is not None:
-                return self._take_back()
+                return self._take_back(left_to_a_step=left_to_a_step)
             self.setup.scheduler.abandon(started.walk)
             return False
         finally:
@@ -357,11 +359,14 @@ class InBackward(StepDriver):
                 reasons = why_not_commit(started, self.sync, amp)
                 if not reasons:
                     return self._commit(started)
+                taken_back = started.stats.batches_in_backward
+                skips = amp is not None and amp.skips()
+                steps_again = not skips and not (self.setup.free_gradients and taken_back)
                 now.started = started
                 self._now = now  # take_back_open_step reads the open step
-                self.take_back_open_step()
+                self.take_back_open_step(left_to_a_step=self._stepped_again_predicate() if steps_again else None)
                 self._now = _SinceStep()
-                return self._step_again(reasons, started.stats.batches_in_backward, amp)
+                return self._step_again(reasons, taken_back, amp, skips=skips)
             if started is None:
                 refuse_edits_since_the_backward(
                     now.seen,
@@ -392,20 +397,32 @@ class InBackward(StepDriver):
         self._take_back.closed()
         return self.finished(StepOutcome(started.stats, started.trace, started.walk.plan))
 
-    def _step_again(self, reasons: list[str], taken_back: int, amp: AmpScaling | None) -> StepOutcome:
+    def _stepped_again_predicate(self) -> Callable[[torch.Tensor], bool]:
+        """Whether the step after the backward updates a parameter: it is in the param groups as they are now and has
+        a gradient."""
+        stepped = {id(param) for param in self.sync.ordered_params() if param.grad is not None}
+        return lambda param: id(param) in stepped
+
+    def _step_again(self, reasons: list[str], taken_back: int, amp: AmpScaling | None, *, skips: bool) -> StepOutcome:
         """The provisional updates were taken back (``reasons``): the step runs after the backward, with the gradients
-        and values as they are now (``GradScaler``'s skip or unscale first)."""
+        and values as they are now (``GradScaler``'s skip, ``skips``, or unscale first)."""
         if self.setup.free_gradients and taken_back:
             raise SwapStateError(
                 f"The step begun inside the backward cannot commit ({reasons[0]}) and cannot run again: "
                 "SwapConfig(free_gradients=True) dropped the gradients it used. It was taken back (nothing changed). "
                 "Keep the gradients (free_gradients=False) to edit them between backward() and step()"
             )
-        if amp is not None and amp.skips():
+        if skips:
             return self.skipped()
-        if amp is not None:
-            amp.unscale(self.sync.ordered_params())
-        outcome = super().step()
+        assert self._take_back is not None
+        try:
+            if amp is not None:
+                amp.unscale(self.sync.ordered_params())
+            outcome = super().step()
+        except BaseException:
+            self._take_back.stepped_again(failed=True)
+            raise
+        self._take_back.stepped_again(failed=False)
         outcome.stats.batches_taken_back = taken_back
         return outcome
 
