@@ -489,7 +489,8 @@ def test_a_closed_optimizer_steps_no_more_inside_the_backward() -> None:
 
 
 def test_without_provisional_updates_the_second_host_copy_is_not_kept() -> None:
-    """``provisional_updates=False``: half the host memory (``opt.stats.host_spare_bytes`` is 0), as before."""
+    """``provisional_updates=False``: half the host memory (``opt.stats.host_spare_bytes`` is 0), as before, and no
+    pinned copy of the parameters (``host_param_copy_bytes``: with provisional updates, every parameter's bytes)."""
     stats = {}
     for provisional in (True, False):
         model = _model()
@@ -502,3 +503,5 @@ def test_without_provisional_updates_the_second_host_copy_is_not_kept() -> None:
     assert stats[True].host_spare_bytes == stats[True].host_state_bytes > 0
     assert stats[False].host_spare_bytes == 0
     assert stats[True].host_pinned_bytes > stats[False].host_pinned_bytes
+    param_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+    assert (stats[True].host_param_copy_bytes, stats[False].host_param_copy_bytes) == (param_bytes, 0)

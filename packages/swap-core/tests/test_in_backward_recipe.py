@@ -80,6 +80,8 @@ def test_an_hf_style_loop_is_bitwise_the_loop_over_fp32_masters(mode: str, seed:
             expected = (stats.batches, 0) if clipped[-1] else (0, stats.batches)
             assert (stats.batches_taken_back, stats.batches_in_backward) == expected, (step, norm, stats)
     assert True in clipped[1:] and False in clipped[1:], f"the clip should bind on some steps only: {clipped}"
+    # Only the parameters whose master stays resident (under min_numel: the last bias) are copied to be put back.
+    assert optimizer.stats.host_param_copy_bytes == 8 * 2, optimizer.stats
     assert not sim.races, sim.races
 
 

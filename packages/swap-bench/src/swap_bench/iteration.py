@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from swap_core import SwapConfig, swap_optimizer
+from swap_core import SwapConfig, SwapStats, swap_optimizer
 from swap_core.sim import LinkModel, MetaBackend, modeled_iterations
 
 from .models import MODELS, ModelShape, fsdp_shard_shape
@@ -107,6 +107,12 @@ class IterationRow:
     unswapped one."""
     swapped_bytes: int
     """Bytes of state (and masters) copied each way an iteration."""
+    host_bytes_after_backward: int
+    """Host bytes the swapped optimizer holds stepping after the backward: its states' (and masters') host copies."""
+    host_bytes_in_backward: int
+    """The same stepping inside the backward with provisional updates (the default there): twice the states' host
+    bytes (the spare copy the walk writes until ``step()`` commits) and the pinned copies of the parameters without
+    an fp32 master."""
 
     @property
     def lower_bound_seconds(self) -> float:
@@ -124,8 +130,9 @@ def model_iteration(spec: IterationModel) -> IterationRow:
         raise ValueError(f"ranks_per_node must be in 1..world={spec.world}, got {spec.ranks_per_node}")
     link = dataclasses.replace(LinkModel.preset(spec.link), ranks_sharing_host=spec.ranks_per_node)
     unswapped, _ = _timed_loop(spec, link, None)
-    after_backward, _ = _timed_loop(spec, link, "after_backward")
-    in_backward, swapped_bytes = _timed_loop(spec, link, "in_backward")
+    after_backward, after_stats = _timed_loop(spec, link, "after_backward")
+    in_backward, stats = _timed_loop(spec, link, "in_backward")
+    assert after_stats is not None and stats is not None
     return IterationRow(
         name=spec.model.name,
         world=spec.world,
@@ -141,13 +148,15 @@ def model_iteration(spec: IterationModel) -> IterationRow:
         unswapped_seconds=unswapped,
         after_backward_seconds=after_backward,
         in_backward_seconds=in_backward,
-        transfer_bound_seconds=link.concurrent_copy_seconds(swapped_bytes, swapped_bytes),
-        swapped_bytes=swapped_bytes,
+        transfer_bound_seconds=link.concurrent_copy_seconds(stats.h2d_bytes, stats.h2d_bytes),
+        swapped_bytes=stats.h2d_bytes,
+        host_bytes_after_backward=after_stats.host_state_bytes,
+        host_bytes_in_backward=stats.host_state_bytes + stats.host_spare_bytes + stats.host_param_copy_bytes,
     )
 
 
-def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -> tuple[float, int]:
-    """The last iteration's seconds and the bytes its step copied in, unswapped (``step=None``) or swapped."""
+def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -> tuple[float, SwapStats | None]:
+    """The last iteration's seconds and its step's stats (``None`` unswapped: ``step=None``)."""
     backend = MetaBackend(link)
     # Unswapped with master weights: the optimizer over the fp32 masters (the casts to and from them left out).
     dtype = torch.bfloat16 if spec.master_weights and step is not None else torch.float32
@@ -186,8 +195,8 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
         iterations=ITERATIONS + 1,
         backward=lambda: _backward(backend, layers),
     )
-    copied = getattr(optimizer, "stats", None)
-    return seconds[-1], 0 if copied is None else copied.h2d_bytes
+    stats: SwapStats | None = getattr(optimizer, "stats", None)
+    return seconds[-1], stats
 
 
 def _clip(backend: MetaBackend, params: Sequence[torch.nn.Parameter], clipping: Clipping) -> None:
@@ -268,8 +277,8 @@ def iteration_table(rows: Sequence[IterationRow]) -> str:
     """``rows`` as a markdown table: the iteration each way, and the swapped ones over the lower bound."""
     lines = [
         "| model | world | tokens a rank | masters | ranks a host | batches | staged | clipping | unswapped | "
-        "after the backward | inside the backward | transfers' bound | inside / lower bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "after the backward | inside the backward | transfers' bound | inside / lower bound | host GB after / inside |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
@@ -278,7 +287,8 @@ def iteration_table(rows: Sequence[IterationRow]) -> str:
             f"{row.unswapped_seconds * 1e3:.1f} ms | "
             f"{row.after_backward_seconds * 1e3:.1f} ms ({row.after_backward_seconds / row.unswapped_seconds:.3f} x) | "
             f"{row.in_backward_seconds * 1e3:.1f} ms ({row.in_backward_seconds / row.unswapped_seconds:.3f} x) | "
-            f"{row.transfer_bound_seconds * 1e3:.1f} ms | {row.in_backward_seconds / row.lower_bound_seconds:.3f} x |"
+            f"{row.transfer_bound_seconds * 1e3:.1f} ms | {row.in_backward_seconds / row.lower_bound_seconds:.3f} x | "
+            f"{row.host_bytes_after_backward / 1e9:.1f} / {row.host_bytes_in_backward / 1e9:.1f} |"
         )
     return "\n".join(lines)
 

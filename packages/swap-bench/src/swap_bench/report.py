@@ -34,7 +34,7 @@ SCHEMA = "swap-bench/8"
 ``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share; 5:
 ``iteration_rows``, whole modeled iterations of ``plan --tokens``, empty in the other kinds; 6: modeled and
 iteration rows' ``staging_buffers``; 7: ``kind`` ``"device-perf"`` and ``device_perf_rows``, empty in the other
-kinds; 8: iteration rows' ``clipping``)."""
+kinds; 8: iteration rows' ``clipping``, ``host_bytes_after_backward`` and ``host_bytes_in_backward``)."""
 
 
 @dataclasses.dataclass
@@ -215,11 +215,13 @@ def render_iteration_table(rows: Sequence[IterationRow], console: Console) -> No
     table = Table(
         title="swap-bench plan --tokens: one rank's training iteration; seconds are modeled, not measured",
         caption="after/inside: swapped, stepping after the backward or inside it (SwapConfig(step='in_backward')), "
-        "each over the unswapped iteration. bound: every swapped byte in and out once, both ways at once.",
+        "each over the unswapped iteration. bound: every swapped byte in and out once, both ways at once. host: "
+        "the swapped optimizer's host bytes; inside, with provisional updates: a second copy of the states and a "
+        "copy of the parameters without masters.",
     )
     columns = (
         "model", "opt", "world", "tokens", "link", "ranks/node", "k", "compute", "unswapped", "after", "inside",
-        "bound", "inside/lower bound",
+        "bound", "inside/lower bound", "host after/inside",
     )  # fmt: skip
     for title_text in columns:
         table.add_column(title_text, justify="left" if title_text in ("model", "opt", "link") else "right")
@@ -238,6 +240,7 @@ def render_iteration_table(rows: Sequence[IterationRow], console: Console) -> No
             f"{row.in_backward_seconds / row.unswapped_seconds:.3f} x",
             readable_seconds(row.transfer_bound_seconds),
             f"{row.in_backward_seconds / row.lower_bound_seconds:.3f} x",
+            f"{readable_bytes(row.host_bytes_after_backward)} / {readable_bytes(row.host_bytes_in_backward)}",
         )
     console.print(table)
 

@@ -63,6 +63,10 @@ class SwapStats(CopyCounts):
     (``SwapConfig(provisional_updates=True)`` with ``step="in_backward"``; 0 otherwise): what a walk inside the
     backward copies out to, so that the first stays as it was until ``step()`` commits."""
 
+    host_param_copy_bytes: int = 0
+    """Pinned host bytes in which provisional updates keep the parameters they write (those without an fp32 master),
+    to put them back if the step is taken back; 0 without provisional updates."""
+
     peak_state_device_bytes: int = 0
     """Most device bytes held at once by swapped state (staging arenas or restored storages) and resident state: the
     plan's staging peak (per tensor, a step that skips batches without gradients may hold less, never more)."""

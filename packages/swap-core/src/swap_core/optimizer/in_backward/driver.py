@@ -297,6 +297,12 @@ class InBackward(StepDriver):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
 
+    def finished(self, outcome: StepOutcome) -> StepOutcome:
+        outcome = super().finished(outcome)
+        if self._undo is not None:
+            outcome.stats.host_param_copy_bytes = self._undo.host_bytes
+        return outcome
+
     def take_back_open_step(
         self, *, unless_committed: bool = True, left_to_a_step: Callable[[torch.Tensor], bool] | None = None
     ) -> bool:
