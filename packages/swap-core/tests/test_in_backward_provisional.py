@@ -505,3 +505,26 @@ def test_without_provisional_updates_the_second_host_copy_is_not_kept() -> None:
     assert stats[True].host_pinned_bytes > stats[False].host_pinned_bytes
     param_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
     assert (stats[True].host_param_copy_bytes, stats[False].host_param_copy_bytes) == (param_bytes, 0)
+
+
+def test_the_second_host_copy_leaves_the_device_bytes_between_steps_unchanged() -> None:
+    """Between steps (after ``zero_grad``) the device holds as many bytes with provisional updates as without, a step
+    taken back and run again included: what they keep is on the host (the spare copy, the parameters' copies); the
+    resident states' clones are dropped at commit or take-back. (Without provisional updates the clipped step is
+    refused: it is run unclipped there.)"""
+    between: dict[bool, list[int]] = {}
+    for provisional in (True, False):
+        model = _model()
+        sim = SimBackend(mode="lazy")
+        optimizer = _swapped(model, sim, provisional_updates=provisional)
+        between[provisional] = []
+        for step in range(4):
+            _loss(model, step).backward()
+            if step == 2 and provisional:  # a step taken back and run again
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.synchronize()
+            between[provisional].append(sim.memory_allocated())
+    assert between[True] == between[False], between
+    assert between[True][0] > 0, "the resident states are counted (their clones would be too)"
