@@ -114,7 +114,7 @@ def test_a_clip_that_does_not_bind_costs_the_iteration_inside_the_backward_under
 @pytest.mark.xfail(
     strict=True,
     reason="issue 43's goal, not met yet: the step running again starts its copies once the provisional walk's "
-    "last ones are done and, without master weights, after the parameters are copied back (1.175 x, 1.076 x with "
+    "last ones are done and, without master weights, after the parameters are copied back (1.175 x, 1.075 x with "
     "master weights, the iteration stepping after the backward: see docs/step-in-backward.md)",
 )
 @pytest.mark.parametrize(

@@ -211,9 +211,10 @@ def _clip(backend: MetaBackend, params: Sequence[torch.nn.Parameter], clipping: 
             return
         grads = [param.grad for param in params if param.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
-        scaled = torch._foreach_mul(grads, (MAX_NORM / (norm + 1e-6)).clamp(max=1.0))
-        for param, grad in zip([param for param in params if param.grad is not None], scaled, strict=True):
-            param.grad = grad
+        coefficient = (MAX_NORM / (norm + 1e-6)).clamp(max=1.0)
+        for param in params:
+            if param.grad is not None:
+                param.grad = param.grad * coefficient
 
 
 def _layers(spec: IterationModel, dtype: torch.dtype) -> list[tuple[list[torch.nn.Parameter], float]]:
