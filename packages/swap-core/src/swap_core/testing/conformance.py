@@ -262,6 +262,7 @@ def make_conformance_tests(cases: Sequence[ConformanceCase]) -> dict[str, Callab
     case_param = pytest.mark.parametrize("case", cases, ids=str)
     return {
         **_parity_tests(case_param),
+        **_clipping_tests(case_param),
         **_accounting_tests(case_param),
         **_state_tests(case_param),
         **_master_and_habit_tests(case_param),
@@ -305,6 +306,13 @@ def _parity_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., N
         _require_device_type(case, backend_name)
         check_parity(case, swap_backend_factory(mode=mode, seed=seed), **options)
 
+    return {"test_conformance_parity": test_conformance_parity, "test_conformance_options": test_conformance_options}
+
+
+def _clipping_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:
+    """Clipping between the backward and a step begun inside it, packed and per tensor."""
+    import pytest
+
     @case_param
     @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
     @pytest.mark.parametrize("mode,seed", OPTION_MODES, ids=[f"{m}{s}" for m, s in OPTION_MODES])
@@ -319,11 +327,7 @@ def _parity_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., N
         _require_device_type(case, backend_name)
         check_clipped_in_backward(case, swap_backend_factory(mode=mode, seed=seed), packed=packed)
 
-    return {
-        "test_conformance_parity": test_conformance_parity,
-        "test_conformance_options": test_conformance_options,
-        "test_conformance_clipped_in_backward": test_conformance_clipped_in_backward,
-    }
+    return {"test_conformance_clipped_in_backward": test_conformance_clipped_in_backward}
 
 
 def _accounting_tests(case_param: pytest.MarkDecorator) -> dict[str, Callable[..., None]]:

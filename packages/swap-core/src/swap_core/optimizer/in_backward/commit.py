@@ -27,11 +27,21 @@ from ...stats import SwapStats
 from ...torch_compat import unscale_gradients_
 from ...trace import StepTrace
 from ..state_sync import StateSync
+from ..step_driver import StepOutcome
 from .gradient_watch import GradientWatch
 from .group_snapshot import GroupSnapshot
 from .run import InBackwardRun
 
-__all__ = ["AmpScaling", "Started", "TakeBack", "refuse_edits_since_the_backward", "why_not_commit"]
+__all__ = [
+    "AmpScaling",
+    "Started",
+    "TakeBack",
+    "commit",
+    "end_as_begun",
+    "refuse_edits_since_the_backward",
+    "stepped_again",
+    "why_not_commit",
+]
 
 
 class TakeBack:
@@ -94,6 +104,47 @@ class Started:
     def close(self) -> None:
         self.scope.close()
         self.run.release()
+
+    def outcome(self) -> StepOutcome:
+        """The step's outcome once its walk ended."""
+        return StepOutcome(self.stats, self.trace, self.walk.plan)
+
+
+def commit(started: Started, scheduler: PipelineScheduler, sync: StateSync, take_back: TakeBack) -> None:
+    """Nothing the provisional updates of ``started`` read changed: the batches left update now, and the step commits
+    (the spare host copies become the mirrors, copying nothing)."""
+    try:
+        scheduler.end(started.walk, trace=started.trace)
+        started.run.finish()
+    finally:
+        started.close()
+    sync.store.flip()
+    started.walk.plan.flip_host_copies()
+    sync.mirrors_moved()
+    take_back.closed()
+
+
+def end_as_begun(
+    started: Started, scheduler: PipelineScheduler, param_groups: list[dict[str, Any]]
+) -> tuple[list[str], list[torch.Tensor]]:
+    """Without provisional updates: the rest of the step with the values it began with; what changed since, for the
+    refusal after it (the param groups' values, the gradients edited)."""
+    changed = started.groups.changes(param_groups)
+    try:
+        with started.groups.in_place(param_groups):
+            scheduler.end(started.walk, trace=started.trace)
+        edited = started.run.edited_gradients()
+        started.run.finish()
+    finally:
+        started.close()
+    return changed, edited
+
+
+def stepped_again(sync: StateSync) -> Callable[[torch.Tensor], bool]:
+    """Whether the step after the backward updates a parameter: it is in the param groups as they are now and has a
+    gradient."""
+    stepped = {id(param) for param in sync.ordered_params() if param.grad is not None}
+    return lambda param: id(param) in stepped
 
 
 @dataclasses.dataclass(frozen=True)

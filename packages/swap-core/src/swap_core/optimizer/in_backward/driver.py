@@ -52,7 +52,16 @@ from ..setup import SwapSetup
 from ..state_sync import StateSync
 from ..step_driver import StepDriver, StepOutcome
 from .backwards import BackwardWatch, HookPlace
-from .commit import AmpScaling, Started, TakeBack, refuse_edits_since_the_backward, why_not_commit
+from .commit import (
+    AmpScaling,
+    Started,
+    TakeBack,
+    commit,
+    end_as_begun,
+    refuse_edits_since_the_backward,
+    stepped_again,
+    why_not_commit,
+)
 from .gradient_watch import GradientWatch
 from .group_snapshot import GroupSnapshot
 from .refusals import (
@@ -370,7 +379,7 @@ class InBackward(StepDriver):
                 steps_again = not skips and not (self.setup.free_gradients and taken_back)
                 now.started = started
                 self._now = now  # take_back_open_step reads the open step
-                self.take_back_open_step(left_to_a_step=self._stepped_again_predicate() if steps_again else None)
+                self.take_back_open_step(left_to_a_step=stepped_again(self.sync) if steps_again else None)
                 self._now = _SinceStep()
                 return self._step_again(reasons, taken_back, amp, skips=skips)
             if started is None:
@@ -389,25 +398,9 @@ class InBackward(StepDriver):
             return self._end_unprovisional(started)
 
     def _commit(self, started: Started) -> StepOutcome:
-        """Nothing the provisional updates read changed: the batches left update now, and the step commits (the spare
-        host copies become the mirrors, copying nothing)."""
-        try:
-            self.setup.scheduler.end(started.walk, trace=started.trace)
-            started.run.finish()
-        finally:
-            started.close()
-        self.sync.store.flip()
-        started.walk.plan.flip_host_copies()
-        self.sync.mirrors_moved()
         assert self._take_back is not None
-        self._take_back.closed()
-        return self.finished(StepOutcome(started.stats, started.trace, started.walk.plan))
-
-    def _stepped_again_predicate(self) -> Callable[[torch.Tensor], bool]:
-        """Whether the step after the backward updates a parameter: it is in the param groups as they are now and has
-        a gradient."""
-        stepped = {id(param) for param in self.sync.ordered_params() if param.grad is not None}
-        return lambda param: id(param) in stepped
+        commit(started, self.setup.scheduler, self.sync, self._take_back)
+        return self.finished(started.outcome())
 
     def _step_again(self, reasons: list[str], taken_back: int, amp: AmpScaling | None, *, skips: bool) -> StepOutcome:
         """The provisional updates were taken back (``reasons``): the step runs after the backward, with the gradients
@@ -434,16 +427,8 @@ class InBackward(StepDriver):
 
     def _end_unprovisional(self, started: Started) -> StepOutcome:
         """Without provisional updates: the rest of the step as it began, then what changed since is refused."""
-        groups = self.sync.param_groups
-        changed = started.groups.changes(groups)
-        try:
-            with started.groups.in_place(groups):
-                self.setup.scheduler.end(started.walk, trace=started.trace)
-            edited = started.run.edited_gradients()
-            started.run.finish()
-        finally:
-            started.close()
-        outcome = self.finished(StepOutcome(started.stats, started.trace, started.walk.plan))
+        changed, edited = end_as_begun(started, self.setup.scheduler, self.sync.param_groups)
+        outcome = self.finished(started.outcome())
         refuse_what_changed_after_the_fact(changed, edited, outcome.stats.batches_in_backward)
         return outcome
 
