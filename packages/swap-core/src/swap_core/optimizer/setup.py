@@ -88,7 +88,7 @@ class WalkOrder(Protocol):
     """What a step driver says of the plans it walks (:class:`~swap_core.optimizer.step_driver.StepDriver`)."""
 
     updates_resident_first: bool
-    walks_in_backward_order: bool
+    walks_last_batch_first: bool
     updates_before_step: bool
 
 
@@ -114,7 +114,7 @@ def decide_setup(
         batch_count=batch_count(config, backend),
         plan_shape=PlanShape(
             resident_first=driver.updates_resident_first,
-            reverse=driver.walks_in_backward_order or config.prefetch == "backward",
+            reverse=driver.walks_last_batch_first or config.prefetch == "backward",
             staging_buffers=config.staging_buffers,
             max_batch_bytes=config.max_batch_bytes,
             keep_staging=config.keep_staging,

@@ -56,7 +56,7 @@ class StepDriver:
     cannot take it then refuses it, :meth:`refuse_amp_scaling`)."""
     updates_resident_first = True
     """Parameters without a swapped state update first, while batch 0 is copied in."""
-    walks_in_backward_order = False
+    walks_last_batch_first = False
     """The batches are walked from the first parameters to the last (``prefetch="backward"`` reverses them)."""
     updates_before_step = False
     """Whether batches update before ``step()`` (then those updates may be provisional)."""

@@ -22,7 +22,7 @@ import torch
 from ..adapters.base import AdapterFactory, StateSwapAdapter
 from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
-from ..config import SwapConfig
+from ..config import StepMode, SwapConfig
 from ..errors import UnsupportedOptimizerError
 from ..master_weights.policy import masters_policy
 from ..runtime.plan import SwapPlan
@@ -30,7 +30,9 @@ from ..runtime.store import HostLayout
 from ..stats import SwapStats
 from ..torch_compat import note_step_for_lr_schedulers, share_amp_scaling_support, share_hook_registries
 from ..trace import StepTrace
+from .in_backward import InBackward
 from .outside_step import check_outside_step_methods, offer_outside_step_methods
+from .step_driver import AfterBackward, StepDriver
 from .swapping import NothingSwapped, Swapped, start_swapping
 from .wrapping import (
     WRAPPERS,
@@ -50,6 +52,8 @@ from .wrapping import (
 __all__ = ["SwapOptimizer"]
 
 _AMP_ATTRIBUTES = ("grad_scale", "found_inf")
+STEP_DRIVERS: Mapping[StepMode, type[StepDriver]] = {"after_backward": AfterBackward, "in_backward": InBackward}
+"""The step driver of each ``SwapConfig.step``, chosen once when the optimizer is wrapped."""
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
@@ -108,7 +112,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             # First post-hook: user hooks see the checkpoint form of the state dict.
             self.register_state_dict_post_hook(exported(self.adapter), prepend=True)
             self._swapping: Swapped | NothingSwapped = start_swapping(
-                self, optimizer, self.adapter, config, self._masters, self.backend
+                self, optimizer, self.adapter, config, self._masters, self.backend, STEP_DRIVERS[config.step]
             )
         except BaseException:
             # The wrapped optimizer is left as it was: its own state mapping, none of swap's hooks.

@@ -23,12 +23,11 @@ from ..runtime.plan import SwapPlan
 from ..runtime.store import HostLayout
 from ..stats import SwapStats, link_bytes_per_second
 from ..torch_compat import step_hooks_silenced
-from .in_backward import InBackward
 from .loading import STATES_BEFORE_WRAPPING, load_state_dict, make_masters_of_existing_states
 from .plan_cache import PlanCache
 from .setup import SwapSetup, decide_setup
 from .state_sync import StateSync
-from .step_driver import AfterBackward, StepDriver, StepOutcome
+from .step_driver import StepDriver, StepOutcome
 from .wrapping import ordered_params
 
 __all__ = ["NothingSwapped", "Swapped", "start_swapping"]
@@ -45,12 +44,12 @@ def start_swapping(
     config: SwapConfig,
     masters: Masters,
     backend: DeviceBackend | None,
+    driver_type: type[StepDriver],
 ) -> Swapped | NothingSwapped:
     """Take over ``optimizer``'s states for ``owner`` (its wrapper) on ``backend``: the setup decided, the host
-    mirrors, masters, the step driver of ``config.step``; or nothing, without a backend."""
+    mirrors, masters, its step driver (``driver_type``, the one of ``config.step``); or nothing, without a backend."""
     if backend is None:
         return NothingSwapped(optimizer, adapter)
-    driver_type: type[StepDriver] = InBackward if config.step == "in_backward" else AfterBackward
     driver_type.check_supported(adapter, ordered_params(optimizer.param_groups))
     setup = decide_setup(optimizer, adapter, config, backend, masters, driver_type)
     # Copies in flight are waited for when the wrapper is collected, before its host buffers go.

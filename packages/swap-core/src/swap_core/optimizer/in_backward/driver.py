@@ -108,7 +108,7 @@ class InBackward(StepDriver):
     """``GradScaler`` hands ``step()`` its scale: the batches updated before it could unscale or skip."""
     updates_resident_first = False
     """Every parameter updates with its batch, once its gradient is final."""
-    walks_in_backward_order = True
+    walks_last_batch_first = True
     """The batches are walked in the order a backward finalizes gradients (the last parameters first)."""
     updates_before_step = True
 
