@@ -11,7 +11,7 @@ import torch
 from .adapters.base import StateInit, StateSwapAdapter
 from .dtensor import local_tensor, shard_layout
 from .errors import StateDictMismatchError
-from .master_weights.loading import check_master_shape, master_from_param
+from .master_weights.in_checkpoints import check_master_shape, master_from_param
 from .master_weights.params import without_master
 from .master_weights.policy import Masters
 from .runtime.slots import SwapSlot, layout_stride

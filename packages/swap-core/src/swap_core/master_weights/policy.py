@@ -21,7 +21,7 @@ from ..backends.protocol import DeviceBackend
 from ..errors import UnsupportedOptimizerError
 from ..runtime.slots import SwapSlot
 from ..runtime.state_keys import MASTER_KEY
-from .loading import masters_set_aside, unexpected_master
+from .in_checkpoints import masters_set_aside, unexpected_master
 from .outside_step import outside_step_on_masters
 from .params import MASTER_DTYPE, has_master, master_problem, stand_in, without_master
 from .update import UpdateOnMasters, params_as_masters
