@@ -111,19 +111,29 @@ def test_a_clip_that_does_not_bind_costs_the_iteration_inside_the_backward_under
     assert with_clip.in_backward_seconds > without.in_backward_seconds, "the clip itself is timed"
 
 
+def test_a_clip_that_binds_at_every_step_costs_at_most_5_percent_over_the_step_after_the_backward() -> None:
+    """Issue 43's goal, with master weights: every step begun inside the backward is taken back and runs again after
+    it. The take-back leaves the parameters to the step running again, and the provisional walk holds its last
+    copy-out until ``step()``, so that step starts once the updates are done, not once a copy nobody reads is."""
+    row = model_iteration(WORLD_8_4K_MASTERS_BINDING)
+    assert row.in_backward_seconds <= 1.05 * row.after_backward_seconds, row
+
+
+def test_a_provisional_copy_out_not_held_breaks_the_binding_clip_goal() -> None:
+    """Planted: the last copy-out issued inside the backward, as any other."""
+    with planted.provisional_copy_outs_not_held():
+        row = model_iteration(WORLD_8_4K_MASTERS_BINDING)
+    assert row.in_backward_seconds > 1.05 * row.after_backward_seconds, row
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 43's goal, not met yet: the step running again starts its copies once the provisional walk's "
-    "last ones are done and, without master weights, after the parameters are copied back (1.175 x, 1.075 x with "
-    "master weights, the iteration stepping after the backward: see docs/step-in-backward.md)",
+    reason="without master weights the step running again first copies the parameters back (their only copy "
+    "before the step is the pinned one): 1.154 x the iteration stepping after the backward, beyond issue 43's goal "
+    "(stated with master weights); see docs/step-in-backward.md",
 )
-@pytest.mark.parametrize(
-    "spec", [WORLD_8_4K_BINDING, WORLD_8_4K_MASTERS_BINDING], ids=["world8-4k", "world8-4k-masters"]
-)
-def test_a_clip_that_binds_at_every_step_costs_at_most_5_percent_over_the_step_after_the_backward(
-    spec: IterationModel,
-) -> None:
-    row = model_iteration(spec)
+def test_a_clip_that_binds_at_every_step_without_masters_costs_at_most_5_percent_more() -> None:
+    row = model_iteration(WORLD_8_4K_BINDING)
     assert row.in_backward_seconds <= 1.05 * row.after_backward_seconds, row
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections.abc import Callable
 from unittest import mock
 
@@ -17,7 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
-from swap_core.errors import SwapStateError
+from swap_core.errors import SimInjectedFault, SwapStateError
 from swap_core.sim import SIM_MODES, SimBackend, SimMode
 from swap_core.testing import planted
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal, assert_trained_alike
@@ -325,19 +326,35 @@ def test_an_optimizer_collected_with_a_step_open_takes_it_back_and_frees_nothing
     assert not sim.races, sim.races
 
 
-def test_a_failure_inside_the_backward_at_any_copy_leaves_everything_as_before_that_backward() -> None:
-    """A copy fails inside the backward (every copy in turn): the backward raises, every parameter and state is as
-    before it, and the loop goes on, bitwise the plain loop that skipped that iteration."""
-    for at in range(12):
+def _copies_of_an_iteration(packed: bool) -> int:
+    model, sim = _model(), SimBackend()
+    optimizer = _swapped(model, sim, packed=packed)
+    for step in range(3):
+        sim.reset_copy_stats()
+        _loss(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return sim.copy_stats.h2d_copies + sim.copy_stats.d2h_copies
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_a_failure_at_any_copy_of_a_step_that_commits_leaves_everything_as_before_its_backward(packed: bool) -> None:
+    """Every copy of an iteration whose step commits fails in turn: inside the backward, or in ``step()`` (the last
+    batch's copy-out, held until the commit). The call raises, every parameter and state is as before that backward,
+    and the loop goes on, bitwise the plain loop that skipped that iteration."""
+    copies = _copies_of_an_iteration(packed)
+    assert copies >= 6, "each batch is copied in and out"
+    for at in range(copies):
         plain_model, model = _model(), _model()
         plain = _rmsprop(plain_model.parameters())
         sim = SimBackend(mode="random", seed=at)
-        optimizer = _swapped(model, sim)
+        optimizer = _swapped(model, sim, packed=packed)
         for step in range(4):
             if step == 2:
                 sim.fail_copy(at)
-                with pytest.raises(RuntimeError, match="Injected fault"):
+                with pytest.raises(SimInjectedFault):
                     _loss(model, step).backward()
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 assert_trained_alike(plain_model, model, plain, optimizer, f"fault at copy {at}")
                 continue
@@ -347,6 +364,30 @@ def test_a_failure_inside_the_backward_at_any_copy_leaves_everything_as_before_t
                 this_opt.zero_grad(set_to_none=True)
             assert_trained_alike(plain_model, model, plain, optimizer, f"fault at copy {at}, step {step}")
         assert not sim.races, (at, sim.races)
+
+
+def test_a_commit_whose_held_copy_out_fails_can_step_again() -> None:
+    """The last batch's copy-out, held until ``step()`` commits, fails: the step is taken back and says so, and
+    ``step()`` called again steps after the backward with the same gradients, bitwise the plain loop."""
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model.parameters())
+    sim = SimBackend(mode="random", seed=2)
+    optimizer = _swapped(model, sim)
+    for step in range(4):
+        for this_model, this_opt in ((plain_model, plain), (model, optimizer)):
+            _loss(this_model, step).backward()
+            if this_opt is optimizer and step == 2:
+                sim.fail_copy(0, direction="d2h")  # the first copy-out after the backward: the held one
+                with pytest.raises(SimInjectedFault) as failed:
+                    optimizer.step()
+                if sys.version_info >= (3, 11):  # exception notes
+                    assert "was taken back" in "".join(failed.value.__notes__)
+            this_opt.step()
+            this_opt.zero_grad(set_to_none=True)
+        if step == 2:
+            assert optimizer.stats.batches_in_backward == 0, "the step called again ran after the backward"
+        assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
+    assert not sim.races, sim.races
 
 
 # -- parameters the backward still reads ---------------------------------------------------------

@@ -40,7 +40,10 @@ class BatchWalk:
 
     ``prefetched``: the event of batch 0's copy-in when :meth:`PipelineScheduler.prefetch` issued it before the step
     (its copies already counted in ``stats``); else batch 0 is copied in now. ``to_spare``: the updates are
-    provisional: each batch is copied out to its states' spare host copies, the mirrors stay as they were.
+    provisional: each batch is copied out to its states' spare host copies, the mirrors stay as they were, and the
+    last batch's copy-out is held until the walk ends (:meth:`advance` once more): a walk taken back instead never
+    issues it, so the step that runs again finds that batch's staging memory free once its update is done, not once
+    a copy nobody reads is.
     """
 
     def __init__(
@@ -67,6 +70,8 @@ class BatchWalk:
         self._position = 0
         self.last_offload: Offloaded | None = None
         """The copy-out of the last batch walked (``None`` before the first)."""
+        self._held: int | None = None
+        """The position of the last batch of a provisional walk, updated, its copy-out held (see the class)."""
         # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
         self._resident_at = 1 if prefetched is not None and len(batches) > 1 else 0
         if prefetched is not None:
@@ -79,7 +84,7 @@ class BatchWalk:
     @property
     def done(self) -> bool:
         """Whether every batch was updated and its copy-out issued (and the resident batch updated)."""
-        return self._position == len(self.batches) and self._resident is None
+        return self._position == len(self.batches) and self._resident is None and self._held is None
 
     @property
     def next_batch(self) -> PlannedBatch | None:
@@ -88,7 +93,12 @@ class BatchWalk:
 
     def advance(self) -> None:
         """Update the next batch and issue its copy-out; the batch after it comes in while it updates, unless it
-        needs this one's memory (batches skipped between them): then it comes in once this one is copied out."""
+        needs this one's memory (batches skipped between them): then it comes in once this one is copied out. Once
+        every batch updated, the copy-out held (a provisional walk's last) is issued."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._copy_out(held)
+            return
         position, batches, stages = self._position, self.batches, self._stages
         if position == self._resident_at and self._resident is not None:
             resident, self._resident = self._resident, None
@@ -105,11 +115,21 @@ class BatchWalk:
         if resident is not None:
             stages.update_resident(resident, self._update)  # the compute stream would wait for a copy-in
         stages.update_batch(batch, self._prefetched.pop(position), self._update)
-        self.last_offload = stages.offload_batch(batch, self.stats, to_spare=self.to_spare)
-        self._staging.copied_out(position, self.last_offload)
+        if self._holds_copy_out(following):
+            self._held = position
+        else:
+            self._copy_out(position)
         if following is not None and after_copy_out:
             self._prefetch(following)
         self._position += 1
+
+    def _holds_copy_out(self, following: int | None) -> bool:
+        """Whether the batch just updated keeps its copy-out for the walk's end: a provisional walk's last."""
+        return self.to_spare and following is None
+
+    def _copy_out(self, position: int) -> None:
+        self.last_offload = self._stages.offload_batch(self.batches[position], self.stats, to_spare=self.to_spare)
+        self._staging.copied_out(position, self.last_offload)
 
     def _prefetch(self, position: int) -> None:
         reused = self._staging.before_copy_in(position)

@@ -26,7 +26,7 @@ import torch
 from ..backends.protocol import DeviceBackend
 from ..dtensor import local_tensor
 
-__all__ = ["StepJournal", "note_partial_step"]
+__all__ = ["StepJournal", "note_on", "note_partial_step"]
 
 
 class StepJournal:
@@ -65,13 +65,20 @@ class StepJournal:
         self._saved_params.clear()
 
 
+def note_on(error: BaseException, note: str) -> None:
+    """Add ``note`` to ``error``'s notes, shown under its traceback (Python 3.11+; nothing before)."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+
+
 def note_partial_step(error: BaseException, applied: int, batches: int) -> None:
     """Tell, on ``error``, what a step that failed after ``applied`` of its ``batches`` batches left behind."""
-    add_note = getattr(error, "add_note", None)  # Python 3.11+
-    if add_note is None or applied == 0:
+    if applied == 0:
         return
-    add_note(
+    note_on(
+        error,
         f"swap: this step failed after {applied} of its {batches} batches had updated their parameters. Each "
         "parameter holds either this step's update and the states that go with it, or neither; load a checkpoint "
-        "to resume from the step before (docs/behaviour.md, 'A step that fails')"
+        "to resume from the step before (docs/behaviour.md, 'A step that fails')",
     )

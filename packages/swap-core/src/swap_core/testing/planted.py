@@ -20,6 +20,7 @@ from unittest import mock
 
 from ..optimizer import plan_cache
 from ..optimizer.in_backward import driver as in_backward_driver
+from ..runtime.batch_walk import BatchWalk
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.plan import build_plan
 from ..runtime.staging import ArenaStaging, Offloaded, StagingWalk
@@ -31,6 +32,7 @@ __all__ = [
     "copy_ins_issued_after_the_copy_out_before",
     "copy_ins_wait_for_the_copy_out",
     "plans_built",
+    "provisional_copy_outs_not_held",
     "take_back_misses",
     "updates_held_back_to_step",
 ]
@@ -44,6 +46,14 @@ def updates_held_back_to_step() -> Iterator[None]:
     """Inside the backward no batch is ever ready (``SwapConfig(step="in_backward")``): every update waits for
     ``step()``."""
     with mock.patch.object(in_backward_driver, "_ready", lambda final, params: False):
+        yield
+
+
+@contextlib.contextmanager
+def provisional_copy_outs_not_held() -> Iterator[None]:
+    """A provisional walk copies its last batch out right after its update, as any walk does, instead of holding the
+    copy-out until ``step()`` commits: a step taken back then waits for a copy nobody reads before it runs again."""
+    with mock.patch.object(BatchWalk, "_holds_copy_out", lambda self, following: False):
         yield
 
 

@@ -22,6 +22,7 @@ from ...errors import SwapStateError
 from ...runtime.batch_walk import BatchWalk
 from ...runtime.pipeline import PipelineScheduler
 from ...runtime.plan import SwapPlan
+from ...runtime.step_journal import note_on
 from ...runtime.update_undo import UpdateUndo
 from ...stats import SwapStats
 from ...torch_compat import unscale_gradients_
@@ -111,10 +112,20 @@ class Started:
 
 
 def commit(started: Started, scheduler: PipelineScheduler, sync: StateSync, take_back: TakeBack) -> None:
-    """Nothing the provisional updates of ``started`` read changed: the batches left update now, and the step commits
-    (the spare host copies become the mirrors, copying nothing)."""
+    """Nothing the provisional updates of ``started`` read changed: the batches left update now (and the last batch's
+    held copy-out is issued), and the step commits (the spare host copies become the mirrors, copying nothing). Should
+    that fail, the step is taken back before the error propagates: nothing changed, and ``step()`` may run again."""
     try:
-        scheduler.end(started.walk, trace=started.trace)
+        try:
+            scheduler.end(started.walk, trace=started.trace)
+        except BaseException as error:
+            take_back()
+            note_on(
+                error,
+                "swap: the step begun inside the backward was taken back (parameters and states as before that "
+                "backward); the gradients are kept, so step() may be called again",
+            )
+            raise
         started.run.finish()
     finally:
         started.close()
