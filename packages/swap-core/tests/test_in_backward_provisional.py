@@ -22,6 +22,7 @@ from swap_core.errors import SimInjectedFault, SwapStateError
 from swap_core.sim import SIM_MODES, SimBackend, SimMode
 from swap_core.testing import planted
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal, assert_trained_alike
+from swap_core.testing.pairs import through_torch_save
 
 STEPS = 5
 
@@ -326,6 +327,20 @@ def test_an_optimizer_collected_with_a_step_open_takes_it_back_and_frees_nothing
     assert not sim.races, sim.races
 
 
+def _step_alike(
+    plain: tuple[torch.nn.Module, torch.optim.Optimizer],
+    swapped: tuple[torch.nn.Module, SwapOptimizer],
+    step: int,
+    context: str,
+) -> None:
+    """One iteration of the plain loop and of the swapped one, then both trained alike."""
+    for model, optimizer in (plain, swapped):
+        _loss(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_trained_alike(plain[0], swapped[0], plain[1], swapped[1], context)
+
+
 def _copies_of_an_iteration(packed: bool) -> int:
     model, sim = _model(), SimBackend()
     optimizer = _swapped(model, sim, packed=packed)
@@ -358,11 +373,7 @@ def test_a_failure_at_any_copy_of_a_step_that_commits_leaves_everything_as_befor
                 optimizer.zero_grad(set_to_none=True)
                 assert_trained_alike(plain_model, model, plain, optimizer, f"fault at copy {at}")
                 continue
-            for this_model, this_opt in ((plain_model, plain), (model, optimizer)):
-                _loss(this_model, step).backward()
-                this_opt.step()
-                this_opt.zero_grad(set_to_none=True)
-            assert_trained_alike(plain_model, model, plain, optimizer, f"fault at copy {at}, step {step}")
+            _step_alike((plain_model, plain), (model, optimizer), step, f"fault at copy {at}, step {step}")
         assert not sim.races, (at, sim.races)
 
 
@@ -387,6 +398,112 @@ def test_a_commit_whose_held_copy_out_fails_can_step_again() -> None:
         if step == 2:
             assert optimizer.stats.batches_in_backward == 0, "the step called again ran after the backward"
         assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
+    assert not sim.races, sim.races
+
+
+def _backward_clipped(model: torch.nn.Module, step: int, *, binding: bool) -> None:
+    dtype = next(model.parameters()).dtype
+    model(_inputs(step).to(dtype)).float().square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05 if binding else 100.0)
+
+
+def _failing_redo(
+    optimizer: SwapOptimizer, sim: SimBackend, fault: tuple[str, int]
+) -> contextlib.AbstractContextManager[object]:
+    """Arms ``fault`` for the step: a copy (``("copy", n)``, the n-th after arming) or the update of batch n."""
+    kind, at = fault
+    if kind == "copy":
+        sim.fail_copy(at)
+        return contextlib.nullcontext()
+    update, calls = optimizer.adapter.update, iter(range(1_000))
+
+    def failing(*args: object, **kwargs: object) -> object:
+        if next(calls) == at:
+            raise RuntimeError(f"planted: update {at} fails")
+        return update(*args, **kwargs)
+
+    return mock.patch.object(optimizer.adapter, "update", failing)
+
+
+@pytest.mark.parametrize("masters", [False, True], ids=["fp32", "bf16-masters"])
+def test_with_undo_failed_steps_a_step_run_again_that_fails_anywhere_leaves_everything_as_before_its_backward(
+    masters: bool,
+) -> None:
+    """``SwapConfig(undo_failed_steps=True)`` inside the backward: a binding clip takes the step back and it runs
+    again after the backward; that run fails at each of its copies and updates in turn. The step raises, every
+    parameter and state is as before that backward, and the loop goes on, bitwise a twin that skipped the iteration."""
+    dtype = torch.bfloat16 if masters else torch.float32
+    counted, sim = _model().to(dtype), SimBackend()
+    optimizer = _swapped(counted, sim, master_weights=masters)
+    for step in range(3):
+        _backward_clipped(counted, step, binding=True)
+        sim.reset_copy_stats()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    copies = sim.copy_stats.h2d_copies + sim.copy_stats.d2h_copies  # those of a step taken back and run again
+    counted, sim = _model().to(dtype), SimBackend()
+    config = SwapConfig(backend=sim, swap_times=3, min_numel=32, master_weights=masters)
+    after_backward = swap_optimizer(_rmsprop(counted.parameters()), config)
+    for step in range(3):
+        _backward_clipped(counted, step, binding=True)
+        sim.reset_copy_stats()
+        after_backward.step()
+        after_backward.zero_grad(set_to_none=True)
+    run_again = sim.copy_stats.h2d_copies + sim.copy_stats.d2h_copies  # the step run again: every one fails it
+    faults = [*(("copy", at) for at in range(copies)), *(("update", at) for at in range(4))]
+    raised = 0
+    for fault in faults:
+        model, twin_model = _model().to(dtype), _model().to(dtype)
+        sim = SimBackend(mode="random", seed=fault[1])
+        optimizer = _swapped(model, sim, undo_failed_steps=True, master_weights=masters)
+        twin = _swapped(twin_model, SimBackend(mode="lazy"), master_weights=masters)
+        for step in range(4):
+            if step == 2:
+                params = [param.detach().clone() for param in model.parameters()]
+                saved = through_torch_save(optimizer.state_dict())
+                _backward_clipped(model, step, binding=True)
+                with _failing_redo(optimizer, sim, fault):
+                    try:
+                        optimizer.step()
+                    except (RuntimeError, SimInjectedFault):
+                        raised += 1
+                    else:  # a copy the take-back retried: it stepped
+                        _backward_clipped(twin_model, step, binding=True)
+                        twin.step()
+                        twin.zero_grad(set_to_none=True)
+                        optimizer.zero_grad(set_to_none=True)
+                        continue
+                for index, (before, param) in enumerate(zip(params, model.parameters(), strict=True)):
+                    assert_bitwise_equal(before, param, f"{fault}: parameter {index} after the failed step")
+                assert_state_dicts_equal(saved, optimizer.state_dict(), f"{fault}: state after the failed step")
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            for this_model, this_opt in ((twin_model, twin), (model, optimizer)):
+                _backward_clipped(this_model, step, binding=step % 2 == 1)
+                this_opt.step()
+                this_opt.zero_grad(set_to_none=True)
+            assert_trained_alike(twin_model, model, twin, optimizer, f"{fault}, step {step}")
+        assert not sim.races, (fault, sim.races)
+    assert raised >= run_again + 3, f"the step run again should fail at each of its copies and updates ({raised})"
+
+
+def test_a_step_whose_commit_check_fails_is_taken_back() -> None:
+    """Finding out whether the step begun inside the backward may commit fails (planted): ``step()`` raises with
+    everything as before that backward, nothing is left open (the state can be read), and the loop goes on, bitwise
+    the plain loop that skipped that iteration."""
+    plain_model, model = _model(), _model()
+    plain = _rmsprop(plain_model.parameters())
+    sim = SimBackend(mode="random", seed=3)
+    optimizer = _swapped(model, sim)
+    for step in range(4):
+        if step == 2:
+            _loss(model, step).backward()
+            with planted.commit_check_fails(), pytest.raises(RuntimeError, match="planted"):
+                optimizer.step()
+            assert_trained_alike(plain_model, model, plain, optimizer, "after the failed check")
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        _step_alike((plain_model, plain), (model, optimizer), step, f"step {step}")
     assert not sim.races, sim.races
 
 

@@ -665,7 +665,10 @@ def _rmsprop_of(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     ("option", "message"),
     [
         ({"prefetch": "backward"}, r"does not support prefetch='backward' yet: it copies each batch in"),
-        ({"undo_failed_steps": True}, r"does not support undo_failed_steps=True yet"),
+        (
+            {"undo_failed_steps": True, "provisional_updates": False},
+            r"does not support undo_failed_steps=True yet: with provisional_updates=False",
+        ),
     ],
 )
 def test_what_the_mode_does_not_support_yet_is_refused_naming_it(option: dict[str, object], message: str) -> None:

@@ -134,7 +134,9 @@ class SwapConfig:
     """Keep, during every step, each batch's parameters and states as they were before its update (in pageable host
     memory: the host waits for each batch's copy), so that a step that fails part-way is undone whole. Off, only a
     step that creates every state it updates (a first step) is undone whole; any other failed step leaves each
-    parameter whole, its update and states or neither (docs/behaviour.md, "A step that fails")."""
+    parameter whole, its update and states or neither (docs/behaviour.md, "A step that fails"). With
+    ``step="in_backward"`` (provisional updates only) the journal is kept for a step that runs after the backward (one
+    taken back and run again included): a step begun inside the backward that fails is taken back whole anyway."""
 
     def __post_init__(self) -> None:
         if self.swap_times != "auto":
@@ -175,7 +177,12 @@ class SwapConfig:
         """Refuse what ``step="in_backward"`` does not support yet, naming the setting to change."""
         unsupported = {
             "prefetch": (self.prefetch != "off", "it copies each batch in from the backward itself"),
-            "undo_failed_steps": (self.undo_failed_steps, "a failed in-backward update cannot be undone yet"),
+            "undo_failed_steps": (
+                self.undo_failed_steps and not self.provisional_updates,
+                "with provisional_updates=False a batch updated inside the backward wrote its host mirrors, so a "
+                "failed step cannot be undone; keep provisional_updates=True (a step begun inside the backward that "
+                "fails is then taken back whole)",
+            ),
         }
         for name, (refused, why) in unsupported.items():
             if refused:

@@ -33,6 +33,10 @@ class StepRun:
     driver walks the plan with :meth:`update` for each batch; :meth:`finish` puts the made states in order, and
     :meth:`failed` undoes what it can when the step raised."""
 
+    journals_every_step = True
+    """With ``SwapConfig(undo_failed_steps=True)``, whether this run keeps the journal that undoes it (a provisional
+    step begun inside the backward is taken back whole without one)."""
+
     def __init__(self, setup: SwapSetup, sync: StateSync, plans: PlanCache) -> None:
         self.setup = setup
         self.sync = sync
@@ -152,7 +156,7 @@ class StepRun:
         """The journal of this step, or ``None``: kept for a step that creates every state it updates (then undoing
         it costs a copy of its parameters only), and for every step with ``SwapConfig(undo_failed_steps=True)``
         (see :mod:`~swap_core.runtime.step_journal`)."""
-        undo_every_step = self.setup.undo_failed_steps
+        undo_every_step = self.setup.undo_failed_steps and self.journals_every_step
         if not undo_every_step and self.plans.states_complete():
             return None  # the usual step: no per-parameter scan
         params = [param for _, param in self.params_with_grad()]

@@ -28,6 +28,7 @@ from ..runtime.update_undo import UpdateUndo
 
 __all__ = [
     "TAKE_BACK_PARTS",
+    "commit_check_fails",
     "commits_without_the_check",
     "copy_ins_issued_after_the_copy_out_before",
     "copy_ins_wait_for_the_copy_out",
@@ -116,6 +117,18 @@ def commits_without_the_check() -> Iterator[None]:
     """``step()`` commits the step begun inside the backward whatever changed since (clipped gradients, a new
     learning rate...)."""
     with mock.patch.object(in_backward_driver, "why_not_commit", lambda *args, **kwargs: []):
+        yield
+
+
+@contextlib.contextmanager
+def commit_check_fails() -> Iterator[None]:
+    """The check of ``step()`` that decides whether the step begun inside the backward commits raises (as a read of
+    the device that fails would)."""
+
+    def fails(*args: Any, **kwargs: Any) -> list[str]:
+        raise RuntimeError("planted: the commit check fails")
+
+    with mock.patch.object(in_backward_driver, "why_not_commit", fails):
         yield
 
 

@@ -370,12 +370,10 @@ class InBackward(StepDriver):
             self._hook_new_params()
             started = now.started
             if started is not None and self._undo is not None:
-                self._refuse_edited_params(now, started)
-                reasons = why_not_commit(started, self.sync, amp)
+                reasons, skips = self._why_not_commit(now, started, amp)
                 if not reasons:
                     return self._commit(started)
                 taken_back = started.stats.batches_in_backward
-                skips = amp is not None and amp.skips()
                 steps_again = not skips and not (self.setup.free_gradients and taken_back)
                 now.started = started
                 self._now = now  # take_back_open_step reads the open step
@@ -396,6 +394,18 @@ class InBackward(StepDriver):
                     amp.unscale(self.sync.ordered_params())
                 return super().step()
             return self._end_unprovisional(started)
+
+    def _why_not_commit(self, now: _SinceStep, started: Started, amp: AmpScaling | None) -> tuple[list[str], bool]:
+        """What keeps the open step from committing, and whether ``GradScaler`` skips it; should finding out fail (a
+        parameter edited since, a read of the device), the step is taken back before the error propagates."""
+        try:
+            self._refuse_edited_params(now, started)
+            return why_not_commit(started, self.sync, amp), amp is not None and amp.skips()
+        except BaseException:
+            self._now = now
+            self.take_back_open_step()
+            self._now = _SinceStep()
+            raise
 
     def _commit(self, started: Started) -> StepOutcome:
         assert self._take_back is not None

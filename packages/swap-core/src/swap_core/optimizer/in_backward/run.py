@@ -29,6 +29,7 @@ class InBackwardRun(StepRun):
         updates are provisional."""
         super().__init__(setup, sync, plans)
         self._undo = undo
+        self.journals_every_step = undo is None  # a provisional step that fails is taken back whole
         self._applied = GradientWatch()
         """Each parameter a batch updated, with the gradient it used."""
         self._positions: dict[int, int] = {}
