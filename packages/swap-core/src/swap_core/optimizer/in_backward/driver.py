@@ -332,16 +332,6 @@ class InBackward(StepDriver):
         finally:
             started.close()
 
-    def _refuse_edited_params(self, now: _SinceStep, started: Started) -> None:
-        """Parameters written between backward() and step() after their provisional update: torch's step would update
-        the edited values, which no longer exist. The step is taken back (the edit with it) and refused."""
-        edited = started.run.edited_params()
-        if edited:
-            self._now = now
-            self.take_back_open_step()
-            self._now = _SinceStep()
-            raise params_written_refused(edited)
-
     def _taken_back_for_the_host(self) -> None:
         self.take_back_open_step()
 
@@ -397,9 +387,13 @@ class InBackward(StepDriver):
 
     def _why_not_commit(self, now: _SinceStep, started: Started, amp: AmpScaling | None) -> tuple[list[str], bool]:
         """What keeps the open step from committing, and whether ``GradScaler`` skips it; should finding out fail (a
-        parameter edited since, a read of the device), the step is taken back before the error propagates."""
+        read of the device), the step is taken back before the error propagates. Parameters written between backward()
+        and step() after their provisional update are refused so: torch's step would update the edited values, which
+        no longer exist (the edit is taken back with the step)."""
         try:
-            self._refuse_edited_params(now, started)
+            edited = started.run.edited_params()
+            if edited:
+                raise params_written_refused(edited)
             return why_not_commit(started, self.sync, amp), amp is not None and amp.skips()
         except BaseException:
             self._now = now
