@@ -21,6 +21,7 @@ from swap_bench.models import MODELS, ModelShape, fsdp_shard_shape
 from swap_bench.planner import plan_model, recommend
 from swap_bench.report import SCHEMA
 from swap_bench.workloads import OPTIMIZERS, OptimizerSpec
+from swap_core.backends.host_memory import MAX_HOST_BUFFER_BYTES
 from swap_core.sim import LinkModel
 from swap_core.testing import planted
 
@@ -71,8 +72,10 @@ def test_llama_70b_at_world_8_with_master_weights_holds_the_hand_computed_bytes(
     assert row.host_state_bytes == row.host_pinned_bytes == 12 * params
     assert row.plain_state_device_bytes == 12 * params  # unswapped: masters and moments on the device
     assert row.h2d_bytes == row.d2h_bytes == 12 * params
-    # One dtype, balanced batches: each batch's copy is cut at the middle of its arena, 2 per batch and direction.
-    assert row.batches == 4 and row.copies == 2 * 2 * 4
+    # One dtype, balanced batches: each batch's copy is cut at the middle of its arena, 2 per batch and direction,
+    # and once more where it crosses the end of one of the 4 GiB chunks the host memory is pinned in.
+    chunks = -(-12 * params // MAX_HOST_BUFFER_BYTES)
+    assert row.batches == 4 and row.copies == 2 * (2 * 4 + chunks - 1) == 64
     # Two staging arenas of at most the largest batch, which holds at least a quarter of the bytes.
     largest_state = 12 * -(-32000 // 8) * 8192  # the embedding (and head) shard's master and moments
     assert 2 * 12 * params // 4 <= row.device_peak_state_bytes <= 2 * (12 * params // 4 + largest_state)
@@ -95,7 +98,8 @@ def test_plain_fp32_adamw_without_masters_and_determinism() -> None:
     # The 65 RMSNorm shards (512 elements) have fewer than SwapConfig.min_numel (1024): resident.
     resident = (2 * 32 + 1) * 4096 // 8
     assert first.host_state_bytes == first.h2d_bytes == 8 * (params - resident)
-    assert first.copies == 2 * 2 * 8  # each of 8 batches: 2 copies (cut at the arena's middle) per direction
+    # Each of 8 batches: 2 copies (cut at the arena's middle) per direction, one more where the 4 GiB chunk ends.
+    assert first.copies == 2 * (2 * 8 + -(-8 * (params - resident) // MAX_HOST_BUFFER_BYTES) - 1) == 34
     assert plan_model(MODELS["llama-7b"], "adamw", world=8, link="pcie5", swap_times=8) == first
 
 

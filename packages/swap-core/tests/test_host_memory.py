@@ -20,6 +20,7 @@ from swap_core import SwapConfig, swap_optimizer
 from swap_core.backends.host_memory import PAGE_BYTES, available_host_bytes, pinned_size
 from swap_core.errors import HostMemoryError, PinnedMemoryWarning
 from swap_core.sim import SimBackend
+from swap_core.testing import planted
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 
 pytestmark = pytest.mark.sim_only
@@ -346,3 +347,112 @@ def test_the_simulated_caching_pinned_allocator_keeps_freed_blocks_until_emptied
     assert sim.host_pinned_bytes() == 4096
     sim.empty_host_cache()
     assert sim.host_pinned_bytes() == 0
+
+
+# -- packed host memory in chunks the driver registers ----------------------------------------
+CHUNK_LIMIT = 40_000
+"""Bytes the simulated driver registers at once in the tests below: three 12,000-byte states fit, not four."""
+
+
+def _chunked_step_copies(limit: int, steps: int = 4) -> tuple[int, int, list[str]]:
+    """Copies and bytes of a step of AdamW over six 3,000-element parameters, 2 batches, with the simulated driver
+    registering at most ``limit`` bytes, checked bitwise against torch's AdamW at every step and every schedule; and
+    the pinned-memory warnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mode in ("lazy", "random", "sync"):
+            sim = SimBackend(mode=mode, seed=3, max_registration_bytes=limit)  # type: ignore[arg-type]
+            params, plain_params = _params(*[3000] * 6), _params(*[3000] * 6)
+            config = SwapConfig(backend=sim, swap_times=2, min_numel=16, packed=True)
+            optimizer = swap_optimizer(torch.optim.AdamW(params, lr=1e-2), config)
+            plain = torch.optim.AdamW(plain_params, lr=1e-2)
+            for step in range(steps):
+                _grads(params, step)
+                _grads(plain_params, step)
+                sim.reset_copy_stats()
+                optimizer.step()
+                plain.step()
+                for index, (expected, actual) in enumerate(zip(plain_params, params, strict=True)):
+                    assert_bitwise_equal(expected, actual, f"{mode} step {step}: parameter {index}")
+                assert_state_dicts_equal(plain.state_dict(), optimizer.state_dict(), f"{mode} step {step}")
+            assert not sim.races, sim.races
+    copies = sim.copy_stats
+    warned = [str(w.message) for w in caught if issubclass(w.category, PinnedMemoryWarning)]
+    return copies.h2d_copies + copies.d2h_copies, copies.h2d_bytes + copies.d2h_bytes, warned
+
+
+def test_packed_host_memory_pins_in_chunks_the_driver_registers() -> None:
+    """Twelve 12,000-byte moments (12,032 apart) in a driver that registers at most 40,000 bytes at once: four
+    chunks of three, each pinned at its exact size, no fallback; each batch moves one copy per chunk it touches
+    (no more bytes), and the steps are bitwise torch's."""
+    sim = SimBackend(max_registration_bytes=CHUNK_LIMIT)
+    assert sim.max_host_buffer_bytes == CHUNK_LIMIT
+    chunked, chunked_bytes, warned = _chunked_step_copies(CHUNK_LIMIT)
+    whole, whole_bytes, _ = _chunked_step_copies(1 << 30)
+    assert warned == [], warned
+    payload = 2 * 12 * 12_000  # each way, the alignment gaps between states aside
+    assert payload <= chunked_bytes <= whole_bytes, "no more bytes: the gaps at a chunk's end are not copied"
+    assert chunked > whole, "a batch crossing a chunk's end moves with one copy per chunk"
+    params = _params(*[3000] * 6)
+    optimizer = swap_optimizer(
+        torch.optim.AdamW(params, lr=1e-2), SwapConfig(backend=sim, swap_times=2, min_numel=16, packed=True)
+    )
+    _grads(params, 0)
+    optimizer.step()
+    assert optimizer.stats.host_pinned_bytes == 4 * pinned_size(12_032 * 2 + 12_000, "exact") == sim.host_pinned_bytes()
+
+
+def test_one_buffer_per_dtype_over_the_drivers_limit_is_caught() -> None:
+    """Planted: packed host memory in one buffer per dtype; the simulated driver refuses it (as some real ones refuse
+    more than about 8-12 GiB), the backend falls back to the caching allocator and warns."""
+    with planted.packed_host_in_one_buffer_per_dtype():
+        _, _, warned = _chunked_step_copies(CHUNK_LIMIT, steps=1)
+    assert any(f"over the {CHUNK_LIMIT}" in message for message in warned), warned
+
+
+def test_a_registration_over_the_simulated_drivers_limit_falls_back_and_warns() -> None:
+    sim = SimBackend(max_registration_bytes=2 * PAGE_BYTES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fits = sim.empty_host(2 * PAGE_BYTES // 4, torch.float32)
+        over = sim.empty_host(2 * PAGE_BYTES // 4 + 1, torch.float32)
+    assert sim.pinned_bytes(fits) == 2 * PAGE_BYTES
+    assert sim.pinned_bytes(over) == pinned_size(2 * PAGE_BYTES + 4, "caching")
+    assert [str(w.message) for w in caught if issubclass(w.category, PinnedMemoryWarning)] == [
+        f"Simulated: exact-size pinning failed (a buffer of {2 * PAGE_BYTES + 4} bytes is over the "
+        f"{2 * PAGE_BYTES} the simulated driver registers at once); host buffers come from the caching pinned "
+        "allocator, which rounds each one up to a power of two"
+    ]
+    with pytest.raises(ValueError, match=r"Invalid max_registration_bytes: 0; expected an int > 0"):
+        SimBackend(max_registration_bytes=0)
+
+
+def test_a_step_inside_the_backward_copies_out_to_chunked_spare_copies_bitwise() -> None:
+    """With provisional updates the spare host copies have the mirrors' chunks: a clip that binds on odd steps takes
+    those back, the others commit, bitwise torch's loop and no fallback."""
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3)))
+
+    plain_model, swapped_model = model(), model()
+    plain = torch.optim.RMSprop(plain_model.parameters(), lr=1e-2, momentum=0.9)
+    sim = SimBackend(mode="random", seed=1, max_registration_bytes=10_000)  # two 4 KiB states a chunk
+    config = SwapConfig(backend=sim, swap_times=2, min_numel=64, packed=True, step="in_backward")
+    optimizer = swap_optimizer(torch.optim.RMSprop(swapped_model.parameters(), lr=1e-2, momentum=0.9), config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PinnedMemoryWarning)
+        for step in range(5):
+            inputs = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+            for this_model, this_opt in ((plain_model, plain), (swapped_model, optimizer)):
+                this_model(inputs).square().mean().backward()
+                torch.nn.utils.clip_grad_norm_(this_model.parameters(), max_norm=0.01 if step % 2 else 100.0)
+                this_opt.step()
+                this_opt.zero_grad(set_to_none=True)
+            for (name, expected), actual in zip(
+                plain_model.named_parameters(), swapped_model.parameters(), strict=True
+            ):
+                assert_bitwise_equal(expected, actual, f"step {step}: {name}")
+            assert_state_dicts_equal(plain.state_dict(), optimizer.state_dict(), f"step {step}")
+    assert optimizer.stats.host_spare_bytes > 0
+    assert not sim.races, sim.races

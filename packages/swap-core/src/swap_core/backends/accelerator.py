@@ -20,7 +20,13 @@ from typing import Protocol, cast
 import torch
 
 from swap_core.backends.device_types import DEVICE_TYPES, SUPPORTED_DEVICE_TYPES
-from swap_core.backends.host_memory import HostMemoryMode, available_host_bytes, pinned_size, warn_pinning_once
+from swap_core.backends.host_memory import (
+    MAX_HOST_BUFFER_BYTES,
+    HostMemoryMode,
+    available_host_bytes,
+    pinned_size,
+    warn_pinning_once,
+)
 from swap_core.backends.host_registration import DeviceBoundRegistrar, HostRegistrar, registered_host_buffer
 from swap_core.backends.protocol import Event, ModeledTimes, Stream
 from swap_core.backends.tensor_layout import is_dense, spans_whole_storage
@@ -179,6 +185,11 @@ class AcceleratorBackend:
     def pinned_bytes(self, buffer: torch.Tensor) -> int:
         """Host bytes pinned for ``buffer`` (from :meth:`empty_host`), rounding included; 0 when pageable."""
         return int(getattr(buffer, _PINNED_BYTES, 0))
+
+    @property
+    def max_host_buffer_bytes(self) -> int:
+        """:data:`~swap_core.backends.host_memory.MAX_HOST_BUFFER_BYTES`: packed host memory pins in chunks."""
+        return MAX_HOST_BUFFER_BYTES
 
     def empty_host_cache(self) -> None:
         """The caching host allocator's ``empty_cache`` (``torch._C._host_emptyCache``, torch_npu's

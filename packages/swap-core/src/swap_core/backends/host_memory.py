@@ -11,6 +11,10 @@ The contract, stated once (every backend's ``empty_host`` follows it):
   request up to the next power of two: a 10 MiB + 4 B buffer pins 16 MiB.
 * When pinning fails altogether, the buffer is pageable (pins nothing; copies become synchronous),
   warning once.
+* No buffer the swap asks for is larger than :data:`MAX_HOST_BUFFER_BYTES` (a backend's
+  ``max_host_buffer_bytes``) when it can be helped: some drivers refuse to register more than about 8-12 GiB at
+  once, so packed host memory is cut into chunks of at most that size (only a single state larger than it gets a
+  buffer of its own size).
 
 ``pinned_size`` models both roundings, so the simulator and the accounting agree exactly with what a
 real device pins; ``available_host_bytes`` is what the host can still give before swapping allocates.
@@ -27,6 +31,7 @@ from ..errors import PinnedMemoryWarning
 
 __all__ = [
     "HOST_MEMORY_MODES",
+    "MAX_HOST_BUFFER_BYTES",
     "PAGE_BYTES",
     "HostMemoryMode",
     "available_host_bytes",
@@ -41,6 +46,10 @@ HOST_MEMORY_MODES: tuple[HostMemoryMode, ...] = ("exact", "caching")
 
 PAGE_BYTES: int = mmap.PAGESIZE
 """The unit exact pinning rounds to: this host's page (registration pins whole pages), read once at import."""
+
+MAX_HOST_BUFFER_BYTES = 4 << 30
+"""The most bytes one host buffer of the swap takes, by default (4 GiB): below the sizes some drivers refuse to
+register at once (reported from about 8 GiB), and large enough that cutting a copy at a chunk's end costs nothing."""
 
 _MEMINFO = "/proc/meminfo"
 

@@ -116,6 +116,12 @@ class DeviceBackend(Protocol):
         """Host bytes pinned for a buffer :meth:`empty_host` returned, rounding included (0 when pageable)."""
         ...
 
+    @property
+    def max_host_buffer_bytes(self) -> int:
+        """The most bytes one :meth:`empty_host` buffer should take: larger ones may fail to pin (see
+        :data:`~swap_core.backends.host_memory.MAX_HOST_BUFFER_BYTES`), so packed host memory comes in chunks."""
+        ...
+
     def empty_host_cache(self) -> None:
         """Give back the pinned blocks the caching host allocator keeps after ``host_memory="caching"`` buffers
         were freed (they stay pinned, and count against the host, until then)."""

@@ -1,6 +1,7 @@
 """Where the swapped states live in host memory, chosen once per store (``SwapConfig.packed``).
 
-- :class:`PackedHostBuffers`: one pinned buffer per dtype (:class:`~swap_core.runtime.packed.PackedHost`), every
+- :class:`PackedHostBuffers`: pinned buffers per dtype (:class:`~swap_core.runtime.packed.PackedHost`, in chunks of
+  at most the backend's ``max_host_buffer_bytes``), every
   swapped state at a fixed offset in parameter order, so that a batch moves as one copy per dtype. A state a step
   creates on the device gets a buffer of its own meanwhile (the packed ones are in use by that step) until
   :meth:`~swap_core.runtime.store.StateStore.pack` lays it out with the others.
@@ -113,7 +114,7 @@ class PackedHostBuffers:
 
     def relayout_bytes(self, slots: Sequence[SwapSlot]) -> int:
         """The pinned bytes a layout of ``slots`` takes beside the current one (checked before allocating)."""
-        return self._copies * PackedHost.required_pinned_bytes(slots, self._mode)
+        return self._copies * PackedHost.required_pinned_bytes(slots, self._mode, self._backend.max_host_buffer_bytes)
 
     def lay_out(self, slots: Sequence[SwapSlot]) -> PackedHost:
         """New buffers holding ``slots`` in this order (the caller fills them, then the old ones go); each slot's view

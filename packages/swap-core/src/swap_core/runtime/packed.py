@@ -1,8 +1,11 @@
 """Packed memory: one host buffer per dtype, device staging arenas.
 
-Host side, every swapped state of a dtype lives in one persistent pinned buffer,
+Host side, every swapped state of a dtype lives in persistent pinned buffers,
 laid out in batch order, so a batch is one contiguous range per dtype and moves
-with a single copy. Device side, the arenas (two by default,
+with a single copy. A dtype's buffer comes in chunks of at most the backend's
+``max_host_buffer_bytes`` (some drivers refuse to pin more at once): a batch whose
+range crosses a chunk's end moves with one copy per chunk it touches, each into its
+place in the batch's region of the arena. Device side, the arenas (two by default,
 ``SwapConfig.staging_buffers``) take the batches in turn: while batch ``i`` is
 updated in one, batch ``i + 1`` streams into the next. Each arena is as large as
 the largest batch it stages (with two, the even batches in one, the odd in the
@@ -32,9 +35,12 @@ __all__ = [
     "ARENA_ALIGN_BYTES",
     "SLOT_ALIGN_BYTES",
     "PackedHost",
+    "Piece",
     "StagingArenas",
+    "Transfer",
     "arena_bytes",
     "arena_layout",
+    "placed_pieces",
     "split_at_middle",
 ]
 
@@ -45,39 +51,52 @@ ARENA_ALIGN_BYTES = 512
 """Alignment of each dtype region inside a staging arena."""
 
 
+Piece = tuple[int, int, int]
+"""``(chunk, start, stop)``: an element range of one chunk of a dtype's host buffer."""
+
+
 class PackedHost:
-    """Per-dtype host buffers holding swapped states at fixed element offsets."""
+    """Per-dtype host buffers holding swapped states at fixed element offsets, each dtype's in chunks of at most
+    ``backend.max_host_buffer_bytes`` (a state larger than that alone in a chunk of its own size)."""
 
     def __init__(self, backend: DeviceBackend, slots: Sequence[SwapSlot], *, mode: HostMemoryMode = "exact") -> None:
-        self.offsets, sizes = _layout(slots)
-        self.buffers = {dtype: backend.empty_host(numel, dtype, mode=mode) for dtype, numel in sizes.items()}
-        self.pinned_bytes = sum(backend.pinned_bytes(buffer) for buffer in self.buffers.values())
+        self.offsets, sizes = _layout(slots, backend.max_host_buffer_bytes)
+        """Each slot's chunk and element offset in its dtype's buffer."""
+        self.buffers = {
+            dtype: [backend.empty_host(numel, dtype, mode=mode) for numel in chunks] for dtype, chunks in sizes.items()
+        }
+        """Each dtype's chunks."""
+        self.pinned_bytes = sum(backend.pinned_bytes(chunk) for chunks in self.buffers.values() for chunk in chunks)
         """Host bytes pinned for the buffers, rounding included (0 for pageable ones)."""
 
     @staticmethod
-    def required_pinned_bytes(slots: Sequence[SwapSlot], mode: HostMemoryMode) -> int:
-        """The pinned bytes a layout of ``slots`` will take (to check before allocating)."""
-        _, sizes = _layout(slots)
-        return sum(pinned_size(numel * dtype.itemsize, mode) for dtype, numel in sizes.items())
+    def required_pinned_bytes(slots: Sequence[SwapSlot], mode: HostMemoryMode, max_buffer_bytes: int) -> int:
+        """The pinned bytes a layout of ``slots`` in chunks of ``max_buffer_bytes`` will take (checked before
+        allocating)."""
+        _, sizes = _layout(slots, max_buffer_bytes)
+        return sum(pinned_size(numel * dtype.itemsize, mode) for dtype, chunks in sizes.items() for numel in chunks)
 
     def view(self, slot: SwapSlot) -> torch.Tensor:
         """The slot's host mirror: a shaped view into its dtype's buffer."""
-        start = self.offsets[slot]
-        return slot.shaped(self.buffers[slot.dtype][start : start + slot.numel])
+        chunk, start = self.offsets[slot]
+        return slot.shaped(self.buffers[slot.dtype][chunk][start : start + slot.numel])
 
-    def ranges(self, slots: Iterable[SwapSlot]) -> dict[torch.dtype, tuple[int, int]]:
-        """Element range per dtype covering ``slots`` (consecutive in the layout)."""
-        ranges: dict[torch.dtype, tuple[int, int]] = {}
+    def pieces(self, slots: Iterable[SwapSlot]) -> dict[torch.dtype, list[Piece]]:
+        """Per dtype, the ranges covering ``slots`` (consecutive in the layout): one per chunk they touch, in order."""
+        ranges: dict[tuple[torch.dtype, int], tuple[int, int]] = {}
         for slot in slots:
-            start = self.offsets[slot]
+            chunk, start = self.offsets[slot]
             stop = start + slot.numel
-            low, high = ranges.get(slot.dtype, (start, stop))
-            ranges[slot.dtype] = (min(low, start), max(high, stop))
-        return ranges
+            low, high = ranges.get((slot.dtype, chunk), (start, stop))
+            ranges[slot.dtype, chunk] = (min(low, start), max(high, stop))
+        pieces: dict[torch.dtype, list[Piece]] = {}
+        for (dtype, chunk), (start, stop) in sorted(ranges.items(), key=lambda item: item[0][1]):
+            pieces.setdefault(dtype, []).append((chunk, start, stop))
+        return pieces
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
+        return sum(chunk.numel() * chunk.element_size() for chunks in self.buffers.values() for chunk in chunks)
 
 
 class StagingArenas:
@@ -170,15 +189,33 @@ def split_at_middle(transfers: Sequence[Transfer], middle: int) -> tuple[list[Tr
     return below + above, len(below)
 
 
-def _layout(slots: Sequence[SwapSlot]) -> tuple[dict[SwapSlot, int], dict[torch.dtype, int]]:
-    """Each slot's element offset in its dtype's buffer (64-byte aligned), and each buffer's element count."""
-    offsets: dict[SwapSlot, int] = {}
-    sizes: dict[torch.dtype, int] = {}
+def placed_pieces(dtype: torch.dtype, pieces: Sequence[Piece]) -> tuple[list[int], int]:
+    """Where each of a batch's ``pieces`` of ``dtype`` starts in the batch's region of an arena (in elements, each
+    64-byte aligned, in order), and the region's elements."""
+    align = SLOT_ALIGN_BYTES // dtype.itemsize
+    starts: list[int] = []
+    end = 0
+    for _, start, stop in pieces:
+        starts.append(align_up(end, align))
+        end = starts[-1] + stop - start
+    return starts, end
+
+
+def _layout(
+    slots: Sequence[SwapSlot], max_buffer_bytes: int
+) -> tuple[dict[SwapSlot, tuple[int, int]], dict[torch.dtype, list[int]]]:
+    """Each slot's chunk and element offset in its dtype's buffer (64-byte aligned), and each chunk's element count:
+    a chunk ends where the next slot would take it over ``max_buffer_bytes``."""
+    offsets: dict[SwapSlot, tuple[int, int]] = {}
+    sizes: dict[torch.dtype, list[int]] = {}
     for slot in slots:
-        align = SLOT_ALIGN_BYTES // slot.dtype.itemsize
-        start = align_up(sizes.get(slot.dtype, 0), align)
-        offsets[slot] = start
-        sizes[slot.dtype] = start + slot.numel
+        chunks = sizes.setdefault(slot.dtype, [0])
+        start = align_up(chunks[-1], SLOT_ALIGN_BYTES // slot.dtype.itemsize)
+        if chunks[-1] > 0 and (start + slot.numel) * slot.dtype.itemsize > max_buffer_bytes:
+            chunks.append(0)
+            start = 0
+        offsets[slot] = (len(chunks) - 1, start)
+        chunks[-1] = start + slot.numel
     return offsets, sizes
 
 

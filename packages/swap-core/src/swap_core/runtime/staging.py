@@ -23,7 +23,16 @@ import torch
 from ..alignment import align_up
 from ..backends.protocol import DeviceBackend, Event, Stream
 from ..errors import SwapStateError
-from .packed import ARENA_ALIGN_BYTES, PackedHost, StagingArenas, arena_bytes, split_at_middle
+from .packed import (
+    ARENA_ALIGN_BYTES,
+    PackedHost,
+    Piece,
+    StagingArenas,
+    Transfer,
+    arena_bytes,
+    placed_pieces,
+    split_at_middle,
+)
 from .planned_batch import PlannedBatch
 from .slots import SwapSlot
 
@@ -112,25 +121,27 @@ class ArenaStaging:
     ) -> ArenaStaging:
         """Cut each batch's views and transfers out of new arenas (released again until a step acquires them), and its
         transfers to and from ``spare`` (the packed spare copy, same layout) where there is one."""
-        ranges = [packed.ranges(batch.slots) for batch in batches]
-        arenas = StagingArenas(backend, _arena_sizes(packed, batches, buffers))
+        pieces = [packed.pieces(batch.slots) for batch in batches]
+        arenas = StagingArenas(backend, _arena_sizes(pieces, batches, buffers))
         # An arena is reused (by batch i, while batch i - buffers is copied out of it) only with more batches.
         reused = len(batches) > buffers
-        for batch, batch_ranges in zip(batches, ranges, strict=True):
+        for batch, batch_pieces in zip(batches, pieces, strict=True):
             index = batch.index % buffers
-            regions = arenas.regions(index, _region_bytes(batch_ranges))
-            whole = [
-                (packed.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()
-            ]
+            placed = {dtype: placed_pieces(dtype, dtype_pieces) for dtype, dtype_pieces in batch_pieces.items()}
+            regions = arenas.regions(index, {dtype: end * dtype.itemsize for dtype, (_, end) in placed.items()})
             middle = arenas.middle(index) if reused else arenas.sizes[index]
+            whole = _transfers(packed, batch_pieces, placed, regions)
             batch.transfers, batch.front_transfers = split_at_middle(whole, middle)
             if spare is not None:
-                spare_whole = [
-                    (spare.buffers[dtype][start:stop], regions[dtype]) for dtype, (start, stop) in batch_ranges.items()
-                ]
-                batch.spare_transfers, _ = split_at_middle(spare_whole, middle)
+                batch.spare_transfers, _ = split_at_middle(_transfers(spare, batch_pieces, placed, regions), middle)
+            at = {
+                (dtype, chunk): device_start - start
+                for dtype, dtype_pieces in batch_pieces.items()
+                for (chunk, start, _), device_start in zip(dtype_pieces, placed[dtype][0], strict=True)
+            }
             for slot in batch.slots:
-                start = packed.offsets[slot] - batch_ranges[slot.dtype][0]
+                chunk, offset = packed.offsets[slot]
+                start = at[slot.dtype, chunk] + offset
                 batch.device_views.append(slot.shaped(regions[slot.dtype][start : start + slot.numel]))
         arenas.release()
         return cls(arenas, buffers, keep=keep)
@@ -273,7 +284,8 @@ def stage_batches(
 def staging_peak_bytes(store_packed: PackedHost | None, batches: Sequence[PlannedBatch], *, buffers: int = 2) -> int:
     """The :attr:`Staging.peak_bytes` that :func:`stage_batches` would give, without allocating anything."""
     if store_packed is not None and sum(batch.nbytes for batch in batches) > 0:
-        return sum(align_up(size, ARENA_ALIGN_BYTES) for size in _arena_sizes(store_packed, batches, buffers))
+        pieces = [store_packed.pieces(batch.slots) for batch in batches]
+        return sum(align_up(size, ARENA_ALIGN_BYTES) for size in _arena_sizes(pieces, batches, buffers))
     return _window_peak([batch.nbytes for batch in batches], buffers)
 
 
@@ -284,17 +296,33 @@ def _window_peak(sizes: Sequence[int], buffers: int) -> int:
     return max(sum(sizes[start : start + buffers]) for start in range(len(sizes) - buffers + 1))
 
 
-def _region_bytes(batch_ranges: Mapping[torch.dtype, tuple[int, int]]) -> dict[torch.dtype, int]:
-    return {dtype: (stop - start) * dtype.itemsize for dtype, (start, stop) in batch_ranges.items()}
+def _transfers(
+    host: PackedHost,
+    pieces: Mapping[torch.dtype, Sequence[Piece]],
+    placed: Mapping[torch.dtype, tuple[list[int], int]],
+    regions: Mapping[torch.dtype, torch.Tensor],
+) -> list[Transfer]:
+    """One ``(host range, arena view)`` per piece of a batch, in the order of its regions."""
+    return [
+        (host.buffers[dtype][chunk][start:stop], regions[dtype][at : at + stop - start])
+        for dtype, dtype_pieces in pieces.items()
+        for (chunk, start, stop), at in zip(dtype_pieces, placed[dtype][0], strict=True)
+    ]
 
 
-def _arena_sizes(packed: PackedHost, batches: Sequence[PlannedBatch], buffers: int) -> list[int]:
+def _region_bytes(pieces: Mapping[torch.dtype, Sequence[Piece]]) -> dict[torch.dtype, int]:
+    return {dtype: placed_pieces(dtype, dtype_pieces)[1] * dtype.itemsize for dtype, dtype_pieces in pieces.items()}
+
+
+def _arena_sizes(
+    pieces: Sequence[Mapping[torch.dtype, Sequence[Piece]]], batches: Sequence[PlannedBatch], buffers: int
+) -> list[int]:
     """Arena ``j`` stages the batches whose index is ``j`` modulo ``buffers``: each is as large as the largest of
     those."""
     sizes = [0] * min(buffers, len(batches))
-    for batch in batches:
+    for batch, batch_pieces in zip(batches, pieces, strict=True):
         index = batch.index % buffers
-        sizes[index] = max(sizes[index], arena_bytes(_region_bytes(packed.ranges(batch.slots))))
+        sizes[index] = max(sizes[index], arena_bytes(_region_bytes(batch_pieces)))
     return sizes
 
 

@@ -20,6 +20,7 @@ from unittest import mock
 
 from ..optimizer import plan_cache
 from ..optimizer.in_backward import driver as in_backward_driver
+from ..runtime import packed
 from ..runtime.batch_walk import BatchWalk
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.plan import build_plan
@@ -32,6 +33,7 @@ __all__ = [
     "commits_without_the_check",
     "copy_ins_issued_after_the_copy_out_before",
     "copy_ins_wait_for_the_copy_out",
+    "packed_host_in_one_buffer_per_dtype",
     "plans_built",
     "provisional_copy_outs_not_held",
     "take_back_misses",
@@ -117,6 +119,15 @@ def commits_without_the_check() -> Iterator[None]:
     """``step()`` commits the step begun inside the backward whatever changed since (clipped gradients, a new
     learning rate...)."""
     with mock.patch.object(in_backward_driver, "why_not_commit", lambda *args, **kwargs: []):
+        yield
+
+
+@contextlib.contextmanager
+def packed_host_in_one_buffer_per_dtype() -> Iterator[None]:
+    """Packed host memory ignores the backend's ``max_host_buffer_bytes``: one buffer per dtype, whatever its size
+    (a driver that refuses such a registration falls back to the caching allocator, or to pageable memory)."""
+    layout = packed._layout
+    with mock.patch.object(packed, "_layout", lambda slots, max_buffer_bytes: layout(slots, 1 << 62)):
         yield
 
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from swap_core.backends.host_memory import HostMemoryMode, available_host_bytes
+from swap_core.backends.host_memory import MAX_HOST_BUFFER_BYTES
 from swap_core.backends.protocol import Event, Stream
 
 from .copies import SimCopies
 from .device_memory import SimDeviceMemory
 from .faults import is_count
-from .host_buffers import SimHostBuffers
+from .host_buffers import SimHostBuffers, SimHostMemory
 from .machine import SimMachine
 from .memory import HOST_KINDS, MemoryKind, storage_key
 from .modeled_time import SimModeledTime
@@ -40,7 +40,7 @@ SIM_MODES: tuple[SimMode, ...] = ("lazy", "random", "sync")
 _ON_RACE: tuple[OnRace, ...] = ("raise", "record")
 
 
-class SimBackend:
+class SimBackend(SimHostMemory):
     """A simulated accelerator whose device memory is CPU memory the simulator tracks.
 
     Memory classes: storages from :meth:`empty`, :meth:`restore_storage` and
@@ -71,6 +71,10 @@ class SimBackend:
         exact_pinning: ``False`` simulates a driver that cannot register memory:
             ``mode="exact"`` host buffers fall back to the caching allocator's
             power-of-two rounding, warning once.
+        max_registration_bytes: the largest ``mode="exact"`` buffer the simulated driver registers; a larger one
+            falls back as with ``exact_pinning=False`` (some drivers refuse more than about 8-12 GiB at once). It is
+            also :attr:`max_host_buffer_bytes`, the chunk size of packed host memory (default
+            :data:`~swap_core.backends.host_memory.MAX_HOST_BUFFER_BYTES`).
         host_bytes: simulate a host with this much available memory (less the live
             pinned buffers) instead of reading the real host's.
         timing: a :class:`~swap_core.backends.sim.timing.LinkModel` gives every stream a
@@ -99,18 +103,20 @@ class SimBackend:
         *,
         on_race: OnRace = "raise",
         exact_pinning: bool = True,
+        max_registration_bytes: int = MAX_HOST_BUFFER_BYTES,
         host_bytes: int | None = None,
         timing: LinkModel | None = None,
         caching_allocator: bool = True,
         device_memory: int | None = None,
     ) -> None:
-        _check_arguments(mode, seed, on_race, host_bytes, device_memory, timing)
+        _check_arguments(mode, seed, on_race, host_bytes, device_memory, timing, max_registration_bytes)
         self.mode: SimMode = mode
         self.seed = seed
         self.check_races = check_races
         self.poison = poison
         self.pinned_memory = pinned_memory
         self.exact_pinning = exact_pinning
+        self.max_registration_bytes = max_registration_bytes
         self.host_bytes = host_bytes
         self.device_memory = device_memory
         self.on_race: OnRace = on_race
@@ -179,38 +185,6 @@ class SimBackend:
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Poisoned device memory, written by the current stream: a copy stream filling it must wait for that."""
         return self._memory.empty(shape, dtype)
-
-    def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
-        """A poisoned 1-D host buffer that counts what a real one would pin (:mod:`~swap_core.backends.host_memory`).
-
-        Pageable (copies run synchronously) when pinning is simulated to fail; the caching path, with
-        its power-of-two rounding, when exact registration is (``exact_pinning=False``).
-        """
-        return self._host.empty_host(numel, dtype, mode)
-
-    def pinned_bytes(self, buffer: torch.Tensor) -> int:
-        """What a real device would have pinned for ``buffer`` (0 for pageable or device memory)."""
-        return self._host.pinned_bytes(buffer)
-
-    def host_pinned_bytes(self) -> int:
-        """Pinned host bytes of the process: every live :meth:`empty_host` buffer (rounding included), and the blocks
-        torch's caching pinned allocator keeps after their ``host_memory="caching"`` buffers were freed (as
-        ``torch.cuda.host_memory_stats()`` counts them) until :meth:`empty_host_cache`."""
-        return self._machine.registry.process_pinned_bytes
-
-    def empty_host_cache(self) -> None:
-        """Give the caching pinned allocator's cached blocks back (``torch._C._host_emptyCache()``)."""
-        self._machine.registry.empty_host_cache()
-
-    def max_host_pinned_bytes(self) -> int:
-        """Peak of :meth:`host_pinned_bytes` since construction or :meth:`reset_peak_memory_stats`."""
-        return self._machine.registry.peak_pinned_bytes
-
-    def available_host_bytes(self) -> int | None:
-        """The real host's available memory, or ``host_bytes`` less the live pinned buffers when one was given."""
-        if self.host_bytes is None:
-            return available_host_bytes()
-        return self.host_bytes - self.host_pinned_bytes()
 
     def release_storage(self, tensor: torch.Tensor, *, in_use_on: Stream | None = None) -> None:
         """Free the storage on the stream it was allocated on; that stream must have waited for copies still using it.
@@ -398,7 +372,13 @@ if TYPE_CHECKING:
 
 
 def _check_arguments(
-    mode: object, seed: object, on_race: object, host_bytes: object, device_memory: object, timing: object
+    mode: object,
+    seed: object,
+    on_race: object,
+    host_bytes: object,
+    device_memory: object,
+    timing: object,
+    max_registration_bytes: object,
 ) -> None:
     """Refuse :class:`SimBackend`'s arguments that it cannot simulate, naming the value (checked at run time,
     whatever the annotations say)."""
@@ -412,5 +392,7 @@ def _check_arguments(
         raise ValueError(f"Invalid simulated host_bytes: {host_bytes!r}; expected an int >= 0 or None")
     if device_memory is not None and not is_count(device_memory):
         raise ValueError(f"Invalid simulated device_memory: {device_memory!r}; expected an int >= 0 or None")
+    if not is_count(max_registration_bytes) or max_registration_bytes == 0:
+        raise ValueError(f"Invalid max_registration_bytes: {max_registration_bytes!r}; expected an int > 0")
     if timing is not None and not isinstance(timing, LinkModel):
         raise TypeError(f"SimBackend timing must be a LinkModel or None, got {type(timing).__name__}")

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..host_memory import HOST_MEMORY_MODES, HostMemoryMode, pinned_size, warn_pinning_once
+from ..host_memory import HOST_MEMORY_MODES, HostMemoryMode, available_host_bytes, pinned_size, warn_pinning_once
 from .faults import is_count
 from .machine import SimMachine, SimSettings
 from .memory import MemoryKind, poison_storage, storage_key
 
-__all__ = ["SimHostBuffers"]
+__all__ = ["SimHostBuffers", "SimHostMemory"]
 
 
 class SimHostBuffers:
@@ -47,12 +47,19 @@ class SimHostBuffers:
             )
             machine.registry.register(tensor, MemoryKind.PAGEABLE_HOST)
             return tensor
-        if mode == "exact" and not self._settings.exact_pinning:
+        too_large = numel * dtype.itemsize > self._settings.max_registration_bytes
+        if mode == "exact" and (too_large or not self._settings.exact_pinning):
+            why = (
+                f"a buffer of {numel * dtype.itemsize} bytes is over the {self._settings.max_registration_bytes} "
+                "the simulated driver registers at once"
+                if too_large
+                else "registering the buffer with the driver failed"
+            )
             warn_pinning_once(
                 machine.warned,
                 "caching",
-                "Simulated: exact-size pinning (registering the buffer with the driver) failed; host buffers come "
-                "from the caching pinned allocator, which rounds each one up to a power of two",
+                f"Simulated: exact-size pinning failed ({why}); host buffers come from the caching pinned "
+                "allocator, which rounds each one up to a power of two",
                 stacklevel=3,
             )
             mode = "caching"
@@ -64,3 +71,50 @@ class SimHostBuffers:
         """See :meth:`SimBackend.pinned_bytes`."""
         record = self._machine.registry.lookup(storage_key(buffer))
         return record.pinned_bytes if record is not None else 0
+
+
+class SimHostMemory:
+    """:class:`~swap_core.sim.SimBackend`'s host-memory methods (of the backend protocol), over its
+    :class:`SimHostBuffers` and memory registry."""
+
+    _host: SimHostBuffers
+    _machine: SimMachine
+    host_bytes: int | None
+    max_registration_bytes: int
+
+    def empty_host(self, numel: int, dtype: torch.dtype, *, mode: HostMemoryMode = "exact") -> torch.Tensor:
+        """A poisoned 1-D host buffer that counts what a real one would pin (:mod:`~swap_core.backends.host_memory`).
+
+        Pageable (copies run synchronously) when pinning is simulated to fail; the caching path, with
+        its power-of-two rounding, when exact registration is (``exact_pinning=False``).
+        """
+        return self._host.empty_host(numel, dtype, mode)
+
+    def pinned_bytes(self, buffer: torch.Tensor) -> int:
+        """What a real device would have pinned for ``buffer`` (0 for pageable or device memory)."""
+        return self._host.pinned_bytes(buffer)
+
+    @property
+    def max_host_buffer_bytes(self) -> int:
+        """``max_registration_bytes``: the simulated driver registers no larger buffer."""
+        return self.max_registration_bytes
+
+    def host_pinned_bytes(self) -> int:
+        """Pinned host bytes of the process: every live :meth:`empty_host` buffer (rounding included), and the blocks
+        torch's caching pinned allocator keeps after their ``host_memory="caching"`` buffers were freed (as
+        ``torch.cuda.host_memory_stats()`` counts them) until :meth:`empty_host_cache`."""
+        return self._machine.registry.process_pinned_bytes
+
+    def empty_host_cache(self) -> None:
+        """Give the caching pinned allocator's cached blocks back (``torch._C._host_emptyCache()``)."""
+        self._machine.registry.empty_host_cache()
+
+    def max_host_pinned_bytes(self) -> int:
+        """Peak of :meth:`host_pinned_bytes` since construction or :meth:`reset_peak_memory_stats`."""
+        return self._machine.registry.peak_pinned_bytes
+
+    def available_host_bytes(self) -> int | None:
+        """The real host's available memory, or ``host_bytes`` less the live pinned buffers when one was given."""
+        if self.host_bytes is None:
+            return available_host_bytes()
+        return self.host_bytes - self.host_pinned_bytes()

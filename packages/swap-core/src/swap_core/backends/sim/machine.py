@@ -38,6 +38,7 @@ class SimSettings(Protocol):
     poison: bool
     pinned_memory: bool
     exact_pinning: bool
+    max_registration_bytes: int
     device_memory: int | None
 
 
