@@ -14,7 +14,7 @@ from .errors import StateDictMismatchError
 from .master_weights.in_checkpoints import check_master_shape, master_from_param
 from .master_weights.params import without_master
 from .master_weights.policy import Masters
-from .runtime.slots import SwapSlot, layout_stride
+from .runtime.slots import SwapSlot, memory_stride
 from .runtime.state_keys import MASTER_KEY
 from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
@@ -180,7 +180,7 @@ def _stage_value(
         if store.should_swap(key, template):
             host_value = local_tensor(value).to(dtype=dtype)
             # The loaded tensor's memory order, as torch's load keeps it (a fused kernel reads memory in order).
-            stride = layout_stride(host_value)
+            stride = memory_stride(host_value)
             if whole:
                 slot = SwapSlot.whole(param, key, value.shape, dtype, stride)
             else:

@@ -2,11 +2,11 @@
 
 Also public, for sibling packages that reason about where tensors' bytes live:
 :class:`~swap_core.backends.storage_spans.StorageSpans` and
-:func:`~swap_core.backends.tensor_layout.is_dense`.
+:func:`~swap_core.backends.dense_storage.is_dense`.
 """
 
+from .dense_storage import is_dense
 from .protocol import DeviceBackend, Event, Stream
 from .storage_spans import StorageSpans
-from .tensor_layout import is_dense
 
 __all__ = ["DeviceBackend", "Event", "StorageSpans", "Stream", "is_dense"]

@@ -19,6 +19,7 @@ from typing import Protocol, cast
 
 import torch
 
+from swap_core.backends.dense_storage import is_dense, spans_whole_storage
 from swap_core.backends.device_types import DEVICE_TYPES, SUPPORTED_DEVICE_TYPES
 from swap_core.backends.host_memory import (
     MAX_HOST_BUFFER_BYTES,
@@ -29,7 +30,6 @@ from swap_core.backends.host_memory import (
 )
 from swap_core.backends.host_registration import DeviceBoundRegistrar, HostRegistrar, registered_host_buffer
 from swap_core.backends.protocol import Event, ModeledTimes, Stream
-from swap_core.backends.tensor_layout import is_dense, spans_whole_storage
 from swap_core.torch_compat import TorchCompatError, host_empty_cache
 
 __all__ = ["SUPPORTED_DEVICE_TYPES", "AcceleratorBackend", "DeviceModule", "accelerator_available", "empty_pinned"]
@@ -303,7 +303,7 @@ class AcceleratorBackend:
         """
         non_blocking = self._may_copy_async(dst) and self._may_copy_async(src)
         if self._flat_copies:
-            dst, src = _flat_if_same_dense_layout(dst, src)
+            dst, src = _flat_if_same_dense_strides(dst, src)
         if self._module.current_stream(self._device) == stream:
             dst.copy_(src, non_blocking=non_blocking)
             return
@@ -400,7 +400,7 @@ def empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
-def _flat_if_same_dense_layout(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat_if_same_dense_strides(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dst`` and ``src`` as 1-D views over the elements they occupy, when both are dense with one shape
     and one stride but not contiguous; else as they are.
 
@@ -410,16 +410,16 @@ def _flat_if_same_dense_layout(dst: torch.Tensor, src: torch.Tensor) -> tuple[to
     if dst.is_contiguous() and src.is_contiguous():
         return dst, src
     shape, stride = dst.shape, dst.stride()
-    if shape != src.shape or stride != src.stride() or not _dense_layout(shape, stride):
+    if shape != src.shape or stride != src.stride() or not _dense_strides(shape, stride):
         return dst, src
     flat = (dst.numel(),)
     return dst.as_strided(flat, (1,)), src.as_strided(flat, (1,))  # each keeps its own storage offset
 
 
 @functools.lru_cache(maxsize=1024)
-def _dense_layout(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+def _dense_strides(shape: torch.Size, stride: tuple[int, ...]) -> bool:
     """Whether ``shape`` and ``stride`` densely fill ``numel`` places (a few layouts per model: cached, as
-    :func:`~swap_core.backends.tensor_layout.is_dense` costs more than the copy it decides)."""
+    :func:`~swap_core.backends.dense_storage.is_dense` costs more than the copy it decides)."""
     return shape.numel() > 0 and is_dense(torch.empty_strided(shape, stride, device="meta"))
 
 

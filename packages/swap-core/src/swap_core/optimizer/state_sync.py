@@ -35,7 +35,7 @@ from .wrapping import (
 
 __all__ = ["NO_ENTRY", "StateSync"]
 
-Layout = tuple[list[int], list[int]]
+GroupsIdentity = tuple[list[int], list[int]]
 """Identity of ``param_groups``: the ids of the parameters in order, and the size of each group."""
 
 _MirrorCheck = tuple[int, list[dict[str, Any]], list[str], list[torch.Tensor | None]]
@@ -69,7 +69,7 @@ class StateSync:
         self._store: StateStore | None = None
         self._tracked = TrackedState()
         self._seen_state_version = -1
-        self._layout: Layout = ([], [])
+        self._groups_identity: GroupsIdentity = ([], [])
         self._mirror_check: _MirrorCheck | None = None
         self._host_cache_emptied_at: tuple[int, int] | None = None
         self._on_change: list[Callable[[], None]] = []
@@ -78,7 +78,7 @@ class StateSync:
         """Take over the wrapped optimizer as it is: its parameters declared, its states moved to host memory."""
         self._adopt_params()
         self.adopt_state()  # existing states move to host memory (may find the host too small)
-        self._layout = _layout(self.param_groups, self.ordered_params())
+        self._groups_identity = _groups_identity(self.param_groups, self.ordered_params())
 
     def await_offloads(self) -> None:
         """Block until every copy into or out of the host mirrors finished (the host may read and write them)."""
@@ -126,24 +126,24 @@ class StateSync:
         Cheap when nothing changed, as in almost every step: two identity checks, one integer, and one
         C-level pass over the parameter ids and over the swapped entries of ``state``.
         """
-        layout = _layout(self.param_groups, ordered)
-        layout_changed = layout != self._layout
-        if layout_changed:
+        identity = _groups_identity(self.param_groups, ordered)
+        groups_changed = identity != self._groups_identity
+        if groups_changed:
             check_distinct_params(self.param_groups)
             select_backend(self._backend, ordered)
             self._params_changed()
-            self._layout = layout
+            self._groups_identity = identity
         if self.optimizer.state is not self._tracked:
             self.adopt_state()  # the wrapped optimizer's load_state_dict, or `state` assigned
         elif self._tracked.version != self._seen_state_version or not self._mirrors_in_place():
             self._resync_states(ordered)
-        elif layout_changed:
+        elif groups_changed:
             self.store.reorder(ordered)
 
     def has_edits(self) -> bool:
         """Whether :meth:`follow_edits` would find anything to follow (it changes nothing itself): the parameters or
         groups changed, the state mapping was replaced, an entry was reset or a host mirror replaced."""
-        if _layout(self.param_groups, self.ordered_params()) != self._layout:
+        if _groups_identity(self.param_groups, self.ordered_params()) != self._groups_identity:
             return True
         if self.optimizer.state is not self._tracked or self._tracked.version != self._seen_state_version:
             return True
@@ -154,9 +154,9 @@ class StateSync:
         next look compares entries with them."""
         self._mirror_check = None
 
-    def forget_layout(self) -> None:
+    def forget_groups_identity(self) -> None:
         """The next :meth:`follow_edits` re-plans even when the parameter order looks unchanged."""
-        self._layout = ([], [])
+        self._groups_identity = ([], [])
 
     def rekey(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor]) -> None:
         """Host mirrors follow their states to the parameter objects that replace theirs."""
@@ -350,7 +350,7 @@ class StateSync:
     def commit_load(self, store: StateStore, state: TrackedState, ordered: list[torch.Tensor]) -> None:
         """A checkpoint staged in ``store`` (the live one, for a load in place) becomes the live state."""
         self.track(state)
-        self._layout = _layout(self.param_groups, ordered)
+        self._groups_identity = _groups_identity(self.param_groups, ordered)
         store.attach(self.state)
         self._mirror_check = None
         self.changed()
@@ -366,7 +366,7 @@ class StateSync:
             self._host_cache_emptied_at = layout
 
 
-def _layout(groups: Sequence[Mapping[str, Any]], ordered: Sequence[torch.Tensor]) -> Layout:
+def _groups_identity(groups: Sequence[Mapping[str, Any]], ordered: Sequence[torch.Tensor]) -> GroupsIdentity:
     return list(map(id, ordered)), [len(group["params"]) for group in groups]
 
 

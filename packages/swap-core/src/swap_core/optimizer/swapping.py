@@ -169,7 +169,7 @@ class Swapped:
         sync = self.sync
         if new_to_old_param:
             sync.rekey(new_to_old_param)
-        sync.forget_layout()  # re-plan even when the order looks unchanged
+        sync.forget_groups_identity()  # re-plan even when the order looks unchanged
         sync.follow_edits(sync.ordered_params())
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:

@@ -39,7 +39,7 @@ __all__ = [
     "StagingArenas",
     "Transfer",
     "arena_bytes",
-    "arena_layout",
+    "arena_region_order",
     "placed_pieces",
     "split_at_middle",
 ]
@@ -125,7 +125,7 @@ class StagingArenas:
         arena = self.arenas[index]
         views: dict[torch.dtype, torch.Tensor] = {}
         offset = 0
-        for dtype, nbytes in arena_layout(region_bytes):
+        for dtype, nbytes in arena_region_order(region_bytes):
             views[dtype] = arena[offset : offset + nbytes].view(dtype)
             offset += align_up(nbytes, ARENA_ALIGN_BYTES)
         return views
@@ -219,11 +219,11 @@ def _layout(
     return offsets, sizes
 
 
-def arena_layout(region_bytes: Mapping[torch.dtype, int]) -> list[tuple[torch.dtype, int]]:
+def arena_region_order(region_bytes: Mapping[torch.dtype, int]) -> list[tuple[torch.dtype, int]]:
     """The order dtype regions take in an arena (deterministic, by dtype name)."""
     return sorted(region_bytes.items(), key=lambda item: str(item[0]))
 
 
 def arena_bytes(region_bytes: Mapping[torch.dtype, int]) -> int:
     """Arena bytes one batch needs: each dtype region rounded up to 512 bytes."""
-    return sum(align_up(nbytes, ARENA_ALIGN_BYTES) for _, nbytes in arena_layout(region_bytes))
+    return sum(align_up(nbytes, ARENA_ALIGN_BYTES) for _, nbytes in arena_region_order(region_bytes))

@@ -18,11 +18,11 @@ from typing import Literal
 
 import torch
 
-from ..backends.tensor_layout import is_dense
+from ..backends.dense_storage import is_dense
 from ..dtensor import ShardLayout, local_tensor, shard_layout
 from ..errors import SwapStateError
 
-__all__ = ["SlotState", "SwapSlot", "is_swappable", "is_swappable_dtype", "layout_stride", "transition"]
+__all__ = ["SlotState", "SwapSlot", "is_swappable", "is_swappable_dtype", "memory_stride", "transition"]
 
 
 class SlotState(enum.Enum):
@@ -123,7 +123,7 @@ class SwapSlot:
         parameter's moments are channels-last). ``stride`` replaces that memory order (a loaded tensor's own)."""
         like = param if like is None else like
         local = local_tensor(like)
-        order = layout_stride(local) if stride == "like" else stride
+        order = memory_stride(local) if stride == "like" else stride
         return cls(param, key, local.shape, dtype, shard_layout(like), order)
 
     def __repr__(self) -> str:
@@ -158,7 +158,7 @@ def is_swappable(tensor: torch.Tensor, *, min_numel: int) -> bool:
 
     Its dtype must be one a host buffer packs (:func:`is_swappable_dtype`), it must be strided and dense
     (its elements fill exactly ``numel`` places in some dimension order: contiguous, channels-last,
-    transposed...; host mirrors and staging views keep that order, see :func:`layout_stride`), not a
+    transposed...; host mirrors and staging views keep that order, see :func:`memory_stride`), not a
     0-dim scalar, not a tensor subclass (a DTensor's local shard is checked instead), and large enough
     that moving it pays off. It need not own
     its storage: its values are copied into swap's own host buffer and the entry in ``state`` is
@@ -182,7 +182,7 @@ def is_swappable_dtype(dtype: torch.dtype) -> bool:
     return not dtype.is_complex
 
 
-def layout_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:
+def memory_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:
     """The strides a swapped copy of ``tensor`` keeps: ``None`` when contiguous (or not dense), else its own."""
     if tensor.is_contiguous() or not is_dense(tensor):
         return None

@@ -34,7 +34,7 @@ from ..dtensor import local_tensor, shard_layout, wrap_local
 from ..errors import HostMemoryError, SwapStateError
 from .host_buffers import HostBuffers, host_buffers
 from .packed import PackedHost
-from .slots import SlotState, SwapSlot, layout_stride, transition
+from .slots import SlotState, SwapSlot, memory_stride, transition
 from .swap_decisions import SwapDecisions
 
 __all__ = ["HostLayout", "StateSource", "StateStore", "StoreOptions"]
@@ -152,14 +152,14 @@ class StateStore:
         like_param = template.shard_like_param and tuple(template.shape) == tuple(param.shape)
         layout = shard_layout(param) if template.shard_like_param else None
         shape = local.shape if layout is not None else torch.Size(template.shape)
-        tensor = self._empty(shape, template.dtype, layout_stride(local) if like_param else None)
+        tensor = self._empty(shape, template.dtype, memory_stride(local) if like_param else None)
         tensor.fill_(template.fill)
         return wrap_local(tensor, layout)
 
     def resident_copy(self, value: torch.Tensor) -> torch.Tensor:
         """A resident device copy of a loaded state that is not swapped, in the loaded tensor's layout."""
         local = local_tensor(value)
-        tensor = self._empty(local.shape, local.dtype, layout_stride(local))
+        tensor = self._empty(local.shape, local.dtype, memory_stride(local))
         tensor.copy_(local)
         return wrap_local(tensor, shard_layout(value))
 

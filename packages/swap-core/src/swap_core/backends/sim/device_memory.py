@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from swap_core.backends.dense_storage import spans_whole_storage
 from swap_core.backends.protocol import Stream
-from swap_core.backends.tensor_layout import spans_whole_storage
 from swap_core.errors import SimOutOfMemoryError
 
 from .caching_allocator import CachedBlock

@@ -1,4 +1,4 @@
-"""Which tensors densely fill their memory: the layouts a whole storage can be freed and regrown for."""
+"""Which tensors densely fill their memory: the strides with which a whole storage can be freed and regrown."""
 
 from __future__ import annotations
 
