@@ -163,15 +163,17 @@ def test_state_read_between_backward_and_step_is_the_state_before_the_step() -> 
 # -- GradScaler ---------------------------------------------------------------------------
 @pytest.mark.parametrize("unscale_to_clip", [False, True], ids=["scaler_step", "unscale_clip_step"])
 def test_grad_scaler_with_an_inf_step_is_bitwise_the_plain_loop(unscale_to_clip: bool) -> None:
-    """The fp16-style loop: scaled backward, (``unscale_`` and clipping,) ``scaler.step``, ``scaler.update``; one step
-    whose gradients hold an inf is skipped, as torch's ``GradScaler`` skips it, and the scale follows."""
+    """The fp16 loop: the forward under fp16 autocast, scaled backward, (``unscale_`` and clipping,) ``scaler.step``,
+    ``scaler.update``; one step whose gradients hold an inf is skipped, as torch's ``GradScaler`` skips it, and the
+    scale follows."""
     plain_model, model = _model(), _model()
     plain = _rmsprop(plain_model.parameters())
     optimizer = _swapped(model, SimBackend(mode="random", seed=3))
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
     for step in range(6):
         for this_model, this_opt, scaler in ((plain_model, plain, scalers[0]), (model, optimizer, scalers[1])):
-            loss = _loss(this_model, step) * (float("inf") if step == 3 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(this_model, step).float() * (float("inf") if step == 3 else 1.0)
             scaler.scale(loss).backward()
             if unscale_to_clip:
                 scaler.unscale_(this_opt)
