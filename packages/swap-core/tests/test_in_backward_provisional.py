@@ -314,6 +314,23 @@ def _two_steps_then_a_raising_backward(
         _raising_at(model, {2})(2).backward()
 
 
+def test_an_optimizer_collected_after_a_whole_backward_takes_it_back_with_the_held_copy_out_never_issued() -> None:
+    """``del opt; gc.collect()`` after a backward that ended (every batch updated, the last copy-out held for a
+    ``step()`` that never comes): the parameters go back to the twin's, and nothing in flight is freed."""
+    twin_model, model = _model(), _model()
+    twin = _rmsprop(twin_model.parameters())
+    sim = SimBackend(mode="random", seed=5)
+    optimizer = _swapped(model, sim)
+    for step in range(2):
+        _step_both(twin_model, twin, model, optimizer, step)
+    _loss(model, 2).backward()
+    del optimizer
+    gc.collect()
+    for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
+        assert_bitwise_equal(expected, actual, f"after the collection: {name}")
+    assert not sim.races, sim.races
+
+
 def test_an_optimizer_collected_with_a_step_open_takes_it_back_and_frees_nothing_in_flight() -> None:
     """``del opt; gc.collect()`` after a backward that raised with batches updated and copies in flight: the
     parameters go back, and no host buffer is freed while a copy still reads or writes it (the race checker)."""
@@ -327,20 +344,6 @@ def test_an_optimizer_collected_with_a_step_open_takes_it_back_and_frees_nothing
     for (name, expected), actual in zip(twin_model.named_parameters(), model.parameters(), strict=True):
         assert_bitwise_equal(expected, actual, f"after the collection: {name}")
     assert not sim.races, sim.races
-
-
-def _step_alike(
-    plain: tuple[torch.nn.Module, torch.optim.Optimizer],
-    swapped: tuple[torch.nn.Module, SwapOptimizer],
-    step: int,
-    context: str,
-) -> None:
-    """One iteration of the plain loop and of the swapped one, then both trained alike."""
-    for model, optimizer in (plain, swapped):
-        _loss(model, step).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    assert_trained_alike(plain[0], swapped[0], plain[1], swapped[1], context)
 
 
 def _copies_of_an_iteration(packed: bool) -> int:
@@ -375,7 +378,8 @@ def test_a_failure_at_any_copy_of_a_step_that_commits_leaves_everything_as_befor
                 optimizer.zero_grad(set_to_none=True)
                 assert_trained_alike(plain_model, model, plain, optimizer, f"fault at copy {at}")
                 continue
-            _step_alike((plain_model, plain), (model, optimizer), step, f"fault at copy {at}, step {step}")
+            _step_both(plain_model, plain, model, optimizer, step)
+            assert_trained_alike(plain_model, model, plain, optimizer, f"fault at copy {at}, step {step}")
         assert not sim.races, (at, sim.races)
 
 
@@ -505,7 +509,8 @@ def test_a_step_whose_commit_check_fails_is_taken_back() -> None:
             assert_trained_alike(plain_model, model, plain, optimizer, "after the failed check")
             optimizer.zero_grad(set_to_none=True)
             continue
-        _step_alike((plain_model, plain), (model, optimizer), step, f"step {step}")
+        _step_both(plain_model, plain, model, optimizer, step)
+        assert_trained_alike(plain_model, model, plain, optimizer, f"step {step}")
     assert not sim.races, sim.races
 
 
