@@ -71,7 +71,7 @@ def load_state_dict(
             # the loaded state is then taken over into host memory, as after a load through the wrapped optimizer.
             with sync.masters.params_presented(optimizer):
                 optimizer.load_state_dict(dict(adapter.import_state_dict(state_dict)))
-            sync.follow_edits(sync.ordered_params())
+            sync.follow_edits()
             make_masters_of_existing_states(sync, adapter, PLAIN_CHECKPOINT)
         else:
             _load_swapped(sync, adapter, state_dict)

@@ -51,7 +51,7 @@ class PlanCache:
         """The plan for the state as it is now, the user's edits followed first; a state the update cannot use fails
         here, before any batch runs."""
         sync = self.sync
-        sync.follow_edits(sync.ordered_params())
+        sync.follow_edits()
         if self.is_current():
             assert self._plan is not None
             return self._plan

@@ -120,12 +120,15 @@ class StateSync:
         return ordered_params_with_groups(self.param_groups)
 
     # -- following what the user did to state and param_groups -----------------------
-    def follow_edits(self, ordered: list[torch.Tensor]) -> None:
-        """Bring the swap runtime in line with what was done to ``param_groups`` and ``state`` since the last look.
+    def follow_edits(self, ordered: list[torch.Tensor] | None = None) -> None:
+        """Bring the swap runtime in line with what was done to ``param_groups`` and ``state`` since the last look
+        (``ordered``: :meth:`ordered_params`, when the caller has it already).
 
         Cheap when nothing changed, as in almost every step: two identity checks, one integer, and one
         C-level pass over the parameter ids and over the swapped entries of ``state``.
         """
+        if ordered is None:
+            ordered = self.ordered_params()
         identity = _groups_identity(self.param_groups, ordered)
         groups_changed = identity != self._groups_identity
         if groups_changed:

@@ -133,7 +133,7 @@ class Swapped:
         self.synchronize()
         self.setup.scheduler.discard_prefetch()
         sync = self.sync
-        sync.follow_edits(sync.ordered_params())  # the slots are the states the method is to see
+        sync.follow_edits()  # the slots are the states the method is to see
         return self.setup.masters.outside_step(sync.optimizer, self.setup.backend, sync.store.slots, call, method=name)
 
     def swap_plan(self) -> SwapPlan:
@@ -149,7 +149,7 @@ class Swapped:
 
     def _make_missing_states(self) -> None:
         sync = self.sync
-        sync.follow_edits(sync.ordered_params())
+        sync.follow_edits()
         wanted = [(index, param) for index, param in sync.ordered_params_with_groups() if param.requires_grad]
         self.setup.creation.make_missing(sync, False, lambda: wanted)
 
@@ -161,7 +161,7 @@ class Swapped:
         select_backend(self.setup.backend, [*sync.ordered_params(), *param_group["params"]])
         self.synchronize()
         sync.optimizer.add_param_group(param_group)
-        sync.follow_edits(sync.ordered_params())
+        sync.follow_edits()
 
     def params_replaced(self, new_to_old_param: Mapping[torch.Tensor, torch.Tensor] | None) -> None:
         """The parameters changed (``reset_optimizer_parameters``): host mirrors follow replaced parameters, and
@@ -170,7 +170,7 @@ class Swapped:
         if new_to_old_param:
             sync.rekey(new_to_old_param)
         sync.forget_groups_identity()  # re-plan even when the order looks unchanged
-        sync.follow_edits(sync.ordered_params())
+        sync.follow_edits()
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         return self.driver.accumulating()
