@@ -3,9 +3,10 @@
 swap-generic runs the optimizer's step batch by batch, which is exact only if each parameter's update reads its
 own gradient and state alone. An optimizer that couples parameters would be silently wrong batch by batch, or would
 fail part-way through a step, after earlier batches were updated. :func:`probe_step` steps twins of the optimizer
-(the same class and attributes, param groups of their own over two small stand-ins per group, states of their own)
-once together and once one stand-in at a time, as the real step runs its batches, and compares everything the two
-leave behind bitwise. It does so for inputs that make a whole-step decision visible:
+(deep copies that share nothing mutable with it, :mod:`swap_generic.sandbox`: param groups of their own over two
+small stand-ins per group, states of their own) once together and once one stand-in at a time, as the real step runs
+its batches, and compares everything the two leave behind bitwise. It does so for inputs that make a whole-step
+decision visible:
 
 - ordinary gradients (a coupling of the update itself: a shared norm, a group-wide statistic);
 - large gradients (clipping by a global norm inside the step, which small gradients never trip);
@@ -33,9 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,6 +44,7 @@ from swap_core.adapters import GroupValues, NarrowedGroups, same_value
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
+from .sandbox import Sandbox
 from .torch_compat import unhooked_step
 
 __all__ = ["PROBE_STEPS", "ProbeVerdict", "probe_step"]
@@ -119,14 +119,15 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
     (nor the global RNG) changes."""
     keys: set[str] = set()
     shaped: set[str] | None = None
+    sandbox = Sandbox(optimizer)
     for index, group in enumerate(optimizer.param_groups):
         for like in _distinct_layouts(group["params"]):
             with_graph = False
             for name, gradient_of in INPUTS.items():
-                outcome = _compare(optimizer, index, like, gradient_of, with_graph=with_graph)
+                outcome = _compare(sandbox, index, like, gradient_of, with_graph=with_graph)
                 if isinstance(outcome, _Unknown) and not with_graph:
                     # A step that runs autograd on the gradients needs them to carry a graph: try such gradients.
-                    retried = _compare(optimizer, index, like, gradient_of, with_graph=True)
+                    retried = _compare(sandbox, index, like, gradient_of, with_graph=True)
                     if not isinstance(retried, _Unknown):
                         outcome, with_graph = retried, True
                 if isinstance(outcome, _Unknown) and outcome.not_implemented:
@@ -183,18 +184,18 @@ def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _compare(
-    optimizer: torch.optim.Optimizer, index: int, like: torch.Tensor, gradient_of: GradientOf, *, with_graph: bool
+    sandbox: Sandbox, index: int, like: torch.Tensor, gradient_of: GradientOf, *, with_graph: bool
 ) -> _Unknown | _Container | _FailsApart | str | _Keys:
     """Stepped together and apart: their difference (``str``), that the step fails apart only, that they could not
     be stepped, a state held in a Python object, or (all alike) the state keys.
 
-    The twins copy the optimizer's attributes; where such a twin cannot step (a constructor that makes states:
-    Adagrad's ``sum``), twins built by the optimizer's own constructor are tried.
+    The twins are deep copies of the optimizer (:mod:`swap_generic.sandbox`); where such a twin cannot step (a
+    constructor that makes states: Adagrad's ``sum``), twins built by the optimizer's own constructor are tried.
     """
     failed: _Unknown | None = None
     for constructed in (False, True):
         twins = functools.partial(
-            _stepped, optimizer, index, like, gradient_of, constructed=constructed, with_graph=with_graph
+            _stepped, sandbox, index, like, gradient_of, constructed=constructed, with_graph=with_graph
         )
         together = twins(apart=False)
         if isinstance(together, _Unknown):
@@ -297,7 +298,7 @@ class _Outcome:
 
 
 def _stepped(
-    optimizer: torch.optim.Optimizer,
+    sandbox: Sandbox,
     index: int,
     like: torch.Tensor,
     gradient_of: GradientOf,
@@ -306,17 +307,19 @@ def _stepped(
     constructed: bool,
     with_graph: bool = False,
 ) -> _Outcome | _Unknown:
-    """A twin of ``optimizer`` over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps (``with_graph``:
-    their gradients carry a graph, see :func:`_with_graph`)."""
+    """A twin of the sandbox's optimizer over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps
+    (``with_graph``: their gradients carry a graph, see :func:`_with_graph`)."""
     generator = torch.Generator().manual_seed(_SEED)
     # Meta tensors hold no values to compare (swap-bench's planner steps them): the stand-ins live on the CPU.
     device = torch.device("cpu") if like.is_meta else like.device
     standins = _standins(like.dim(), device, generator)
     failure: str | None = None
     with _seeded_rng(device):
-        twin = _twin(optimizer, index, standins, constructed=constructed)
+        twin = sandbox.twin(index, standins, constructed=constructed)
         if twin is None:
-            return _Unknown(f"{type(optimizer).__name__}'s constructor could not rebuild it over stand-in parameters")
+            return _Unknown(
+                f"{type(sandbox.optimizer).__name__}'s constructor could not rebuild it over stand-in parameters"
+            )
         step = unhooked_step(twin)
         try:
             with step_hooks_silenced(twin), torch.no_grad(), warnings.catch_warnings():
@@ -380,48 +383,6 @@ def _step_one_at_a_time(
         values.before_batch()
         narrowed.run(step, target, [standin])
         values.after_batch(batch)
-
-
-def _twin(
-    optimizer: torch.optim.Optimizer, index: int, standins: list[torch.Tensor], *, constructed: bool
-) -> torch.optim.Optimizer | None:
-    """A twin over ``standins`` in group ``index`` (every other group empty): the optimizer's attributes with groups
-    and a state of its own; or (``constructed``) one built by the optimizer's constructor from its defaults, for a
-    class whose constructor makes states (Adagrad's ``sum``). ``None`` when that cannot be built."""
-    groups = [
-        {**group, "params": list(standins) if position == index else []}
-        for position, group in enumerate(optimizer.param_groups)
-    ]
-    if constructed:
-        return _constructed(optimizer, groups)
-    twin = object.__new__(type(optimizer))
-    twin.__dict__.update(optimizer.__dict__)
-    twin.param_groups = groups
-    twin.state = defaultdict(dict)
-    return twin
-
-
-def _constructed(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer | None:
-    """``type(optimizer)(groups, **its defaults that the constructor takes)``, or ``None`` where that fails."""
-    cls = type(optimizer)
-    try:
-        parameters = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return None
-    kwargs: dict[str, Any] = {}
-    for name, parameter in list(parameters.items())[2:]:  # self, params
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        if name in optimizer.defaults:
-            kwargs[name] = optimizer.defaults[name]
-        elif parameter.default is parameter.empty:
-            return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return cls([dict(group) for group in groups], **kwargs)
-    except Exception:
-        return None
 
 
 @contextlib.contextmanager

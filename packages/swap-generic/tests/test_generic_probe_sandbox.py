@@ -1,0 +1,147 @@
+"""The wrap-time probe runs in a sandbox: after a wrap, accepted or refused, the optimizer is a never-wrapped twin.
+
+Each optimizer below is a small one written for these tests, standing for a class of real ones (not a copy of any).
+The probe steps deep copies of the optimizer (attributes, ``defaults``, schedules) that share nothing mutable with it;
+code it runs on planted inputs cannot end the program; an optimizer stepped only in train mode is probed in it; an
+optimizer that delegates to inner optimizers is refused before anything is stepped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_generic_probe import _config, _params, _PlainSGD
+
+from swap_core import swap_optimizer
+from swap_core.errors import UnsupportedOptimizerError
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+
+
+class CountsInDefaults(_PlainSGD):
+    """Counts its steps in ``defaults`` and warms its learning rate up by that count (refused: it counts per batch)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, lr)
+        self.defaults["calls"] = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.defaults["calls"] += 1
+        warmup = min(1.0, self.defaults["calls"] / 4)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update({**group, "lr": group["lr"] * warmup}, param, param.grad)
+        return None
+
+
+class ScheduleInStateDict(_PlainSGD):
+    """Keeps a warm-up schedule in a dict on the optimizer, saved in its ``state_dict()`` (refused: it advances per
+    batch)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, lr)
+        self.schedule = {"t": 0, "warmup": 8}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.schedule["t"] += 1
+        scale = min(1.0, self.schedule["t"] / self.schedule["warmup"])
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"] * scale)
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "schedule": dict(self.schedule)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.schedule.update(state_dict.pop("schedule"))
+        super().load_state_dict(state_dict)
+
+
+class LogsItsSteps(_PlainSGD):
+    """Counts its steps in a logging dict that no update reads (accepted: the update is per-parameter)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, lr)
+        self.log = {"steps": 0}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.log["steps"] += 1
+        return super().step(closure)
+
+
+def _grads(params: list[torch.Tensor], step: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def _attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's own public attributes but its groups and state (``defaults``, schedules, logs)."""
+    own = ("state", "param_groups", "step")
+    return {key: value for key, value in vars(optimizer).items() if not key.startswith("_") and key not in own}
+
+
+def _assert_same_values(expected: list[torch.Tensor], actual: list[torch.Tensor], when: str) -> None:
+    for index, (expected_param, param) in enumerate(zip(expected, actual, strict=True)):
+        assert_bitwise_equal(expected_param, param, f"parameter {index} {when}")
+
+
+def _assert_a_never_wrapped_twin(
+    plain: torch.optim.Optimizer,
+    twin: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    what: str,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """``plain`` (refused, or wrapped as ``optimizer``) holds what ``twin`` holds and steps as it does, bitwise, for
+    5 steps."""
+    optimizer = optimizer or plain
+    twin_params = [param for group in twin.param_groups for param in group["params"]]
+    _assert_same_values(twin_params, params, f"{what}: after the wrap")
+    expected_attributes = _attributes(twin)
+    assert {key: _attributes(plain).get(key) for key in expected_attributes} == expected_attributes, what
+    assert_state_dicts_equal(twin.state_dict(), optimizer.state_dict(), f"{what}: state_dict() after the wrap")
+    for step in range(5):
+        for values, stepped in ((params, optimizer), (twin_params, twin)):
+            _grads(values, step)
+            stepped.step()
+    _assert_same_values(twin_params, params, f"{what}: 5 steps after the wrap")
+    expected_state_dict, state_dict = twin.state_dict(), optimizer.state_dict()
+    assert_state_dicts_equal(expected_state_dict, state_dict, f"{what}: state_dict() 5 steps after the wrap")
+    assert {key: value for key, value in state_dict.items() if key not in ("state", "param_groups")} == {
+        key: value for key, value in expected_state_dict.items() if key not in ("state", "param_groups")
+    }, f"{what}: the state_dict()'s own entries 5 steps after the wrap"
+
+
+REFUSED_BY_WHAT_THEY_SHARE = {
+    "a counter in defaults": CountsInDefaults,
+    "a schedule dict saved in the state_dict": ScheduleInStateDict,
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_BY_WHAT_THEY_SHARE))
+def test_a_refused_wrap_leaves_the_optimizers_attributes_as_a_never_wrapped_twins(name: str) -> None:
+    cls = REFUSED_BY_WHAT_THEY_SHARE[name]
+    params = _params()
+    _grads(params, -1)  # a wrap after a backward: the gradients are there
+    plain, twin = cls(params), cls(_params())
+    with pytest.raises(UnsupportedOptimizerError, match=r"not per-parameter: .*gave different values"):
+        swap_optimizer(plain, _config())
+    _assert_a_never_wrapped_twin(plain, twin, params, name)
+
+
+def test_an_accepted_wrap_leaves_the_optimizers_attributes_as_a_never_wrapped_twins() -> None:
+    params = _params()
+    plain, twin = LogsItsSteps(params), LogsItsSteps(_params())
+    swapped = swap_optimizer(plain, _config(swap_times=1))  # one batch: the log counts one call per step
+    assert plain.log == {"steps": 0}, "the probe's steps were logged on the optimizer"
+    _assert_a_never_wrapped_twin(plain, twin, params, "a logging counter", swapped)
+    assert plain.log == twin.log == {"steps": 5}
