@@ -8,6 +8,7 @@ optimizer that delegates to inner optimizers is refused before anything is stepp
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -145,3 +146,69 @@ def test_an_accepted_wrap_leaves_the_optimizers_attributes_as_a_never_wrapped_tw
     assert plain.log == {"steps": 0}, "the probe's steps were logged on the optimizer"
     _assert_a_never_wrapped_twin(plain, twin, params, "a logging counter", swapped)
     assert plain.log == twin.log == {"steps": 5}
+
+
+class ExitsOnAnyNonFinite(_PlainSGD):
+    """Ends the program when any gradient is not finite, before updating anything (a training script's guard kept
+    in the optimizer): a whole-step decision, refused."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        grads = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if not all(bool(torch.isfinite(grad).all()) for grad in grads):
+            sys.exit("a non-finite gradient: stopping the run")
+        return super().step(closure)
+
+
+class ExitsOnItsOwnNonFinite(_PlainSGD):
+    """Ends the program when the gradient of the parameter it is about to update is not finite (as torch would,
+    parameters before it updated): per-parameter, accepted."""
+
+    def _update(self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor) -> None:
+        if not bool(torch.isfinite(grad).all()):
+            sys.exit("a non-finite gradient: stopping the run")
+        super()._update(group, param, grad)
+
+
+class InterruptedInStep(_PlainSGD):
+    """Its step is interrupted (Ctrl-C while the probe runs)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        raise KeyboardInterrupt
+
+
+def test_a_step_that_exits_on_any_non_finite_gradient_is_refused_without_ending_the_program() -> None:
+    params = _params()
+    _grads(params, -1)
+    plain, twin = ExitsOnAnyNonFinite(params), ExitsOnAnyNonFinite(_params())
+    rng = torch.random.get_rng_state()
+    with pytest.raises(
+        UnsupportedOptimizerError,
+        match=r"ExitsOnAnyNonFinite's step is not per-parameter: .*both failing with SystemExit: a non-finite "
+        r"gradient: stopping the run.*a non-finite gradient in one parameter.*swap_core.register_adapter",
+    ):
+        swap_optimizer(plain, _config())
+    assert torch.equal(rng, torch.random.get_rng_state())
+    _assert_a_never_wrapped_twin(plain, twin, params, "exits on any non-finite gradient")
+
+
+def test_a_step_that_exits_on_its_own_parameters_non_finite_gradient_is_accepted() -> None:
+    params = _params()
+    plain, twin = ExitsOnItsOwnNonFinite(params), ExitsOnItsOwnNonFinite(_params())
+    swapped = swap_optimizer(plain, _config())
+    _assert_a_never_wrapped_twin(plain, twin, params, "exits on its own non-finite gradient", swapped)
+
+
+def test_an_interrupt_in_the_probe_goes_through_with_everything_as_before() -> None:
+    params = _params()
+    _grads(params, -1)
+    plain = InterruptedInStep(params)
+    before = [param.detach().clone() for param in params]
+    rng = torch.random.get_rng_state()
+    with pytest.raises(KeyboardInterrupt):
+        swap_optimizer(plain, _config())
+    assert torch.equal(rng, torch.random.get_rng_state()), "the global RNG as it was"
+    assert torch.is_grad_enabled(), "grad mode as it was"
+    assert not plain.state and all(a is b for a, b in zip(plain.param_groups[0]["params"], params, strict=True))
+    _assert_same_values(before, params, "after the interrupt")

@@ -53,8 +53,8 @@ PROBE_STEPS = 3
 """Steps each pair of stand-ins takes (momentum-like couplings need more than one)."""
 
 _SEED = 1234
-_SIZES = (4, 3, 2, 2, 2)
-_OTHER_SIZES = (3, 5, 2, 2, 2)
+_STANDIN_SIZES = ((4, 3, 2, 2, 2), (3, 5, 2, 2, 2))
+"""The sizes of the two stand-ins of each layout (the first ``dim`` of them)."""
 _LARGE = 1e4
 """The large gradients' scale: a global norm of the stand-ins' gradients far above any clipping threshold."""
 
@@ -101,7 +101,7 @@ def _large(step: int, position: int, shape: tuple[int, ...], generator: torch.Ge
 
 def _one_not_finite(step: int, position: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     grad = torch.randn(shape, generator=generator)
-    if step == 1 and position == 0:
+    if step == 1 and position == len(_STANDIN_SIZES) - 1:  # the last: run apart, the stand-in before it updates
         grad.view(-1)[0] = float("inf")
     return grad
 
@@ -245,9 +245,10 @@ class _Outcome:
     def difference(self, other: _Outcome) -> str | None:
         if self.failure != other.failure:
             return f"failed differently ({self.failure or 'no error'} against {other.failure or 'no error'})"
+        when = f"after {PROBE_STEPS} steps" if self.failure is None else f"both failing with {self.failure}"
         for position, (param, other_param) in enumerate(zip(self.params, other.params, strict=True)):
             if not _same_bits(param, other_param):
-                return f"gave different values (stand-in {position} after {PROBE_STEPS} steps)"
+                return f"gave different values (stand-in {position}, {when})"
         return self._state_difference(other) or self._group_difference(other)
 
     def _state_difference(self, other: _Outcome) -> str | None:
@@ -308,50 +309,75 @@ def _stepped(
     with_graph: bool = False,
 ) -> _Outcome | _Unknown:
     """A twin of the sandbox's optimizer over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps
-    (``with_graph``: their gradients carry a graph, see :func:`_with_graph`)."""
+    (``with_graph``: their gradients carry a graph, see :func:`_with_graph`).
+
+    Whatever the twin's code raises on the planted inputs is an outcome, ``SystemExit`` included (a step that ends
+    the program on a non-finite gradient must not end it at wrap time); a ``KeyboardInterrupt`` goes through, the
+    global RNG and grad mode restored on its way.
+    """
     generator = torch.Generator().manual_seed(_SEED)
     # Meta tensors hold no values to compare (swap-bench's planner steps them): the stand-ins live on the CPU.
     device = torch.device("cpu") if like.is_meta else like.device
     standins = _standins(like.dim(), device, generator)
-    failure: str | None = None
+    steps = _ProbeSteps(index, standins, gradient_of, generator, apart=apart, with_graph=with_graph)
     with _seeded_rng(device):
         twin = sandbox.twin(index, standins, constructed=constructed)
         if twin is None:
             return _Unknown(
                 f"{type(sandbox.optimizer).__name__}'s constructor could not rebuild it over stand-in parameters"
             )
-        step = unhooked_step(twin)
         try:
-            with step_hooks_silenced(twin), torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for step_index in range(PROBE_STEPS):
-                    grads = [
-                        gradient_of(step_index, position, tuple(standin.shape), generator).to(device)
-                        for position, standin in enumerate(standins)
-                    ]
-                    if with_graph:
-                        grads = _with_graph(standins, grads)
-                    for standin, grad in zip(standins, grads, strict=True):
-                        standin.grad = grad
-                    if apart:
-                        _step_one_at_a_time(twin, step, index, standins)
-                    else:
-                        step()
+            steps.run(twin)
         except UnsupportedOptimizerError as refusal:  # the batch-by-batch runner's own refusal: not per-parameter
             return _Outcome([], [], {}, [], f"{type(refusal).__name__}: {refusal}")
         except NotImplementedError as error:  # driven outside step() (a fused backward): nothing to batch
             return _Unknown(f"its step() is not implemented ({error})", not_implemented=True)
-        except Exception as error:
-            if not apart and step_index == 0:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # SystemExit too: code run on planted inputs cannot end the program
+            if not apart and steps.taken == 0:
                 return _Unknown(f"its step failed on stand-in parameters: {type(error).__name__}: {error}")
-            failure = f"{type(error).__name__}: {error}"
-    return _Outcome.left_by(twin, standins, failure)
+            return _Outcome.left_by(twin, standins, f"{type(error).__name__}: {error}")
+    return _Outcome.left_by(twin, standins, None)
+
+
+@dataclasses.dataclass
+class _ProbeSteps:
+    """The :data:`PROBE_STEPS` steps of one twin over its stand-ins, whole or one stand-in at a time (``apart``)."""
+
+    index: int
+    standins: list[torch.Tensor]
+    gradient_of: GradientOf
+    generator: torch.Generator
+    apart: bool
+    with_graph: bool
+    taken: int = 0
+    """How many steps finished (the step that raised is the next)."""
+
+    def run(self, twin: torch.optim.Optimizer) -> None:
+        step = unhooked_step(twin)
+        with step_hooks_silenced(twin), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step_index in range(PROBE_STEPS):
+                grads = [
+                    self.gradient_of(step_index, position, tuple(standin.shape), self.generator).to(standin.device)
+                    for position, standin in enumerate(self.standins)
+                ]
+                if self.with_graph:
+                    grads = _with_graph(self.standins, grads)
+                for standin, grad in zip(self.standins, grads, strict=True):
+                    standin.grad = grad
+                if self.apart:
+                    _step_one_at_a_time(twin, step, self.index, self.standins)
+                else:
+                    step()
+                self.taken += 1
 
 
 def _standins(dim: int, device: torch.device, generator: torch.Generator) -> list[torch.Tensor]:
     """Two fp32 stand-in parameters on ``device``, of ``dim`` dimensions and different shapes, drawn from
     ``generator``."""
-    shapes = [tuple(sizes[:dim]) for sizes in (_SIZES, _OTHER_SIZES)]
+    shapes = [tuple(sizes[:dim]) for sizes in _STANDIN_SIZES]
     return [
         torch.nn.Parameter(torch.randn(shape, generator=generator).to(device=device, dtype=torch.float32))
         for shape in shapes
