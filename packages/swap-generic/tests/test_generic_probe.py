@@ -28,7 +28,7 @@ def _params(seed: int = 0) -> list[torch.Tensor]:
 
 
 def _config(**options: Any) -> SwapConfig:
-    return SwapConfig(backend=SimBackend(mode="lazy"), **{"swap_times": 2, "min_numel": 16, **options})
+    return SwapConfig(**{"backend": SimBackend(mode="lazy"), "swap_times": 2, "min_numel": 16, **options})
 
 
 class _PlainSGD(torch.optim.Optimizer):

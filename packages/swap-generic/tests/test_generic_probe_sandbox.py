@@ -17,6 +17,7 @@ from test_generic_probe import _config, _params, _PlainSGD
 
 from swap_core import swap_optimizer
 from swap_core.errors import UnsupportedOptimizerError
+from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 
 
@@ -212,3 +213,60 @@ def test_an_interrupt_in_the_probe_goes_through_with_everything_as_before() -> N
     assert torch.is_grad_enabled(), "grad mode as it was"
     assert not plain.state and all(a is b for a, b in zip(plain.param_groups[0]["params"], params, strict=True))
     _assert_same_values(before, params, "after the interrupt")
+
+
+class StepsInTrainModeOnly(torch.optim.Optimizer):
+    """Steps only in train mode and is built in eval mode, as schedule-free optimizers are: ``train()`` before the
+    first step. ``train()``/``eval()`` move each parameter between its sequences through its state ``z``, and the
+    step counts in the group (``k``)."""
+
+    def __init__(self, params: Any, lr: float = 0.1, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta, "k": 0, "train_mode": False})
+
+    @torch.no_grad()
+    def train(self) -> None:
+        self._switch(train_mode=True)
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        self._switch(train_mode=False)
+
+    def _switch(self, *, train_mode: bool) -> None:
+        for group in self.param_groups:
+            if group["train_mode"] != train_mode:
+                weight = 1 - group["beta"] if train_mode else 1 - 1 / group["beta"]
+                for param in group["params"]:
+                    if "z" in self.state[param]:
+                        param.lerp_(self.state[param]["z"], weight)
+                group["train_mode"] = train_mode
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if not self.param_groups[0]["train_mode"]:
+            raise Exception("Optimizer was not in train mode when step is called. Call .train() before stepping")
+        for group in self.param_groups:
+            group["k"] += 1
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "z" not in state:
+                    state["z"] = param.detach().clone()
+                state["z"].sub_(param.grad, alpha=group["lr"])
+                param.lerp_(state["z"], 1 / (group["k"] + 1))
+        return None
+
+
+@pytest.mark.parametrize("mode", ["lazy", "random"])
+def test_an_optimizer_built_in_eval_mode_is_swapped_when_wrapped_before_train(mode: str) -> None:
+    """Users build a schedule-free optimizer, wrap it, then call ``train()`` in their loop."""
+    params = _params()
+    plain, twin = StepsInTrainModeOnly(params), StepsInTrainModeOnly(_params())
+    swapped = swap_optimizer(plain, _config(backend=SimBackend(mode=mode, seed=3)))
+    assert [group["train_mode"] for group in plain.param_groups] == [False], "the probe left the mode as it was"
+    swapped.train()  # type: ignore[attr-defined]
+    twin.train()
+    _assert_a_never_wrapped_twin(plain, twin, params, "wrapped before train()", swapped)
+    swapped.eval()  # type: ignore[attr-defined]
+    twin.eval()
+    _assert_same_values([param for group in twin.param_groups for param in group["params"]], params, "in eval mode")

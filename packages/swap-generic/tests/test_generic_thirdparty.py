@@ -24,12 +24,13 @@ def _lion(**options: Any) -> ConformanceCase:
     return ConformanceCase(f"lion{options}", lambda groups: lion_pytorch.Lion(groups, lr=1e-3, **options))
 
 
-def _schedule_free(name: str, **options: Any) -> ConformanceCase:
+def _schedule_free(name: str, *, train: bool = True, **options: Any) -> ConformanceCase:
     schedulefree = pytest.importorskip("schedulefree")
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         optimizer: torch.optim.Optimizer = getattr(schedulefree, name)(groups, **options)
-        optimizer.train()  # type: ignore[attr-defined]  # schedule-free steps only in train mode
+        if train:
+            optimizer.train()  # type: ignore[attr-defined]  # schedule-free steps only in train mode
         return optimizer
 
     return ConformanceCase(name, make)
@@ -73,6 +74,17 @@ def test_schedule_free_train_and_eval_switching(swap_backend_factory: BackendFac
         for optimizer in (pair.reference, pair.swapped.optimizer):
             optimizer.train()  # type: ignore[attr-defined]
     pair.assert_equal("after switching train/eval three times")
+
+
+@pytest.mark.parametrize("name", ["AdamWScheduleFree", "SGDScheduleFree"])
+def test_schedule_free_wrapped_before_train(name: str, swap_backend_factory: BackendFactory) -> None:
+    """Users build a schedule-free optimizer (in eval mode), wrap it, then call ``train()`` in their loop."""
+    pair = make_pair(_schedule_free(name, train=False, lr=1e-2, warmup_steps=2), swap_backend_factory("random", 4))
+    assert not pair.swapped.param_groups[0]["train_mode"], "wrapping left the optimizer in eval mode"
+    pair.reference.train()  # type: ignore[attr-defined]
+    pair.swapped.train()  # type: ignore[attr-defined]
+    pair.step_both(4)
+    pair.assert_equal("4 steps after train()")
 
 
 BNB_SHAPES = ((128, 64), (64, 80), (8192,), (16,))

@@ -45,6 +45,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
 from .sandbox import Sandbox
+from .third_party import outside_step_methods
 from .torch_compat import unhooked_step
 
 __all__ = ["PROBE_STEPS", "ProbeVerdict", "probe_step"]
@@ -358,6 +359,7 @@ class _ProbeSteps:
         step = unhooked_step(twin)
         with step_hooks_silenced(twin), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            _in_train_mode(twin)
             for step_index in range(PROBE_STEPS):
                 grads = [
                     self.gradient_of(step_index, position, tuple(standin.shape), self.generator).to(standin.device)
@@ -372,6 +374,17 @@ class _ProbeSteps:
                 else:
                     step()
                 self.taken += 1
+
+
+def _in_train_mode(twin: torch.optim.Optimizer) -> None:
+    """Put a twin built in eval mode in train mode, where it steps.
+
+    Schedule-free optimizers step only in train mode and are built in eval mode (``train_mode`` ``False`` in their
+    groups): users build, wrap, then call ``train()`` in their loop. The class's own ``train()`` runs on the twin,
+    whose groups and states are its own; the optimizer stays in the mode it is in.
+    """
+    if "train" in outside_step_methods(twin) and not all(group.get("train_mode", True) for group in twin.param_groups):
+        type(twin).train(twin)  # type: ignore[attr-defined]
 
 
 def _standins(dim: int, device: torch.device, generator: torch.Generator) -> list[torch.Tensor]:
