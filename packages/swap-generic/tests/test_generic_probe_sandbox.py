@@ -270,3 +270,69 @@ def test_an_optimizer_built_in_eval_mode_is_swapped_when_wrapped_before_train(mo
     swapped.eval()  # type: ignore[attr-defined]
     twin.eval()
     _assert_same_values([param for group in twin.param_groups for param in group["params"]], params, "in eval mode")
+
+
+class DelegatesToInner(torch.optim.Optimizer):
+    """Steps a list of inner optimizers, one per parameter subset, and lists every parameter in its own groups (a
+    composite optimizer)."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": 0.1})
+        self._inner = [torch.optim.SGD(params[:2], lr=0.1, momentum=0.9), torch.optim.Adagrad(params[2:], lr=0.1)]
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for inner in self._inner:
+            inner.step()
+        return None
+
+
+class DelegatesThroughAClosure(DelegatesToInner):
+    """The same, its inner optimizers held only by the closure of a function kept as an attribute."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params)
+        inner, self._inner = self._inner, []
+
+        def step_every_inner() -> None:
+            for optimizer in inner:
+                optimizer.step()
+
+        self._step_every_inner = step_every_inner
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self._step_every_inner()
+        return None
+
+
+DELEGATING = {
+    "a list of inner optimizers": (DelegatesToInner, r"\(SGD at DelegatesToInner\._inner\[0\]\)"),
+    "inner optimizers in a closure": (
+        DelegatesThroughAClosure,
+        r"\(SGD at DelegatesThroughAClosure\._step_every_inner \(its closure's 'inner'\)\[0\]\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DELEGATING))
+def test_an_optimizer_that_delegates_to_inner_optimizers_is_refused_before_any_is_stepped(name: str) -> None:
+    cls, where = DELEGATING[name]
+    params = _params()
+    _grads(params, -1)
+    plain, twin = cls(params), cls(_params())
+    with pytest.raises(
+        UnsupportedOptimizerError,
+        match=rf"{cls.__name__} cannot be swapped: its step delegates to another optimizer {where}.*every batch "
+        r"would step every parameter of the inner optimizer.*swap_optimizer\(inner\).*swap_core.register_adapter",
+    ):
+        swap_optimizer(plain, _config())
+    for index, (expected, inner) in enumerate(zip(_inner(twin), _inner(plain), strict=True)):
+        assert_state_dicts_equal(expected.state_dict(), inner.state_dict(), f"{name}: inner optimizer {index}")
+    _assert_a_never_wrapped_twin(plain, twin, params, name)
+
+
+def _inner(optimizer: DelegatesToInner) -> list[torch.optim.Optimizer]:
+    if optimizer._inner:
+        return optimizer._inner
+    cells = optimizer._step_every_inner.__closure__ or ()  # type: ignore[attr-defined]
+    return list(cells[0].cell_contents)

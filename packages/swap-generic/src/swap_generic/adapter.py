@@ -214,6 +214,14 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str]
             "by batch, which would update it wrongly; it needs a dedicated adapter (swap_core.register_adapter)"
         )
     verdict = probe_step(optimizer)
+    if verdict.delegates is not None:
+        raise UnsupportedOptimizerError(
+            f"{name} cannot be swapped: {verdict.delegates}. swap-generic runs {name}'s own step once per batch with "
+            f"{name}'s param groups narrowed to the batch and moves the states in {name}.state; it narrows no inner "
+            "optimizer's groups and moves none of its states, so every batch would step every parameter of the inner "
+            "optimizer. Swap each inner optimizer on its own (swap_optimizer(inner)) and step those in the training "
+            "loop, or write a dedicated adapter (swap_core.register_adapter)"
+        )
     if verdict.container is not None:
         raise UnsupportedOptimizerError(f"{name} cannot be swapped: {verdict.container}. Write a dedicated adapter")
     if verdict.no_step is not None:

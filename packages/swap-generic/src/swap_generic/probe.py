@@ -44,6 +44,7 @@ from swap_core.adapters import GroupValues, NarrowedGroups, same_value
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
+from .delegation import inner_optimizer
 from .sandbox import Sandbox
 from .third_party import outside_step_methods
 from .torch_compat import unhooked_step
@@ -81,6 +82,10 @@ class ProbeVerdict:
     fails_apart: str | None = None
     """Why the step fails when run one batch at a time where it runs whole (refused whatever the optimizer declares:
     no declaration makes a later batch not raise), or ``None``."""
+    delegates: str | None = None
+    """Why the step is another optimizer's (an inner optimizer reachable from the optimizer's attributes, named by
+    its path), found before any twin is made: such an optimizer is never stepped, and refused whatever it declares;
+    or ``None``."""
     state_keys: frozenset[str] = frozenset()
     """The keys of the stand-ins' states: what the optimizer creates for a parameter (when the twins stepped)."""
     param_shaped_keys: frozenset[str] = frozenset()
@@ -118,6 +123,11 @@ INPUTS: dict[str, GradientOf] = {
 def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
     """Step twins of ``optimizer`` together and apart over stand-ins of each param group; nothing of ``optimizer``
     (nor the global RNG) changes."""
+    inner = inner_optimizer(optimizer)
+    if inner is not None:
+        return ProbeVerdict(
+            delegates=f"its step delegates to another optimizer ({type(inner.optimizer).__name__} at {inner.path})"
+        )
     keys: set[str] = set()
     shaped: set[str] | None = None
     sandbox = Sandbox(optimizer)

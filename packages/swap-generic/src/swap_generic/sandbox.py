@@ -12,9 +12,9 @@ one ``copy.deepcopy`` memo that maps:
   parameters, an inner object), to a meta tensor of its shape and dtype, made on first reach: no real value is
   copied, and nothing the twin runs can write to it.
 
-Every other value is deep-copied. A value that cannot be (a lock, a process group) is shared, as it is not a value a
-step advances. What a sandbox cannot reach: class attributes, globals, and the cells of closures (a function is
-copied as itself).
+Every other value is deep-copied. An attribute or group value that cannot be (it holds a lock, a process group) is
+shared whole, as locks and process groups are no values a step advances. What a sandbox cannot reach: class
+attributes, globals, and the cells of closures (a function is copied as itself).
 """
 
 from __future__ import annotations
