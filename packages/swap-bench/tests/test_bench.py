@@ -43,7 +43,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_schema(report: dict[str, Any]) -> None:
-    assert report["schema"] == SCHEMA == "swap-bench/8"
+    assert report["schema"] == SCHEMA == "swap-bench/9"
     assert report["kind"] == "bench"
     assert report["backend"] == "sim" and report["quick"] is True
     # On Linux (glibc) the simulator's allocations keep freed blocks, as a device caching allocator does.

@@ -172,7 +172,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 
 def test_the_report_has_every_kind_of_swap_bench_report_and_its_device_perf_rows(report: dict[str, Any]) -> None:
-    assert report["schema"] == SCHEMA == "swap-bench/8" and report["kind"] == "device-perf"
+    assert report["schema"] == SCHEMA == "swap-bench/9" and report["kind"] == "device-perf"
     for empty in ("rows", "comparisons", "modeled_rows", "narrowing_rows", "iteration_rows"):
         assert report[empty] == [], empty
     assert report["backend"] == "sim" and report["failed"] == []

@@ -12,12 +12,14 @@ The table of docs/step-in-backward.md is what :func:`~swap_bench.iteration.model
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
 import pytest
 
 from swap_bench.iteration import IterationModel, IterationRow, documented_models, iteration_table, model_iteration
+from swap_core.sim import LinkModel
 from swap_core.testing import planted
 
 pytestmark = [pytest.mark.sim_only, pytest.mark.figures]
@@ -34,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[3]
     WORLD_8_4K_BINDING,
     WORLD_8_4K_MASTERS_NOT_BINDING,
     WORLD_8_4K_MASTERS_BINDING,
+    WORLD_8_4K_MASTERS_55_PERCENT,
+    WORLD_8_4K_MASTERS_NIC,
 ) = documented_models()
 
 
@@ -135,6 +139,46 @@ def test_a_provisional_copy_out_not_held_breaks_the_binding_clip_goal() -> None:
 def test_a_clip_that_binds_at_every_step_without_masters_costs_at_most_5_percent_more() -> None:
     row = model_iteration(WORLD_8_4K_BINDING)
     assert row.in_backward_seconds <= 1.05 * row.after_backward_seconds, row
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 46: at 55% of the peak the backward (203 ms) is shorter than the swap's 262.5 ms of transfers, so "
+    "the walk spills into the step: 1.108 x; the goal waits for master weights that move only the bits the device "
+    "lacks (12 -> 10.125 bytes a parameter each way)",
+)
+def test_at_55_percent_of_the_peak_the_iteration_inside_the_backward_is_within_5_percent() -> None:
+    row = model_iteration(WORLD_8_4K_MASTERS_55_PERCENT)
+    assert row.in_backward_seconds <= 1.05 * row.unswapped_seconds, row
+
+
+def _ring_bytes_each_way(spec: IterationModel) -> int:
+    """Two all-gathers and a reduce-scatter of every FSDP2 unit (the embedding, each decoder layer, the head), each
+    moving (world - 1) / world of the unit's bf16 bytes in and as many out."""
+    units: dict[str, int] = {}
+    for name, shape in spec.model.parameter_shapes():
+        unit = (
+            ".".join(name.split(".")[:3])
+            if name.startswith("model.layers.")
+            else ("embed" if "embed" in name else "head")
+        )
+        units[unit] = units.get(unit, 0) + math.prod(shape) * 2
+    return 3 * sum(nbytes * (spec.world - 1) // spec.world for nbytes in units.values())
+
+
+def test_with_the_network_card_on_the_link_the_iteration_is_at_the_links_bound() -> None:
+    """One rank a node, its network card behind the GPU's PCIe switch: FSDP2's collectives (35.4 GB each way an
+    iteration at world 8 in bf16) share the link with the swap's 10.1 GB. The unswapped iteration is already bound
+    by the collectives on the link; the swapped one inside the backward is within 1 % of the bound of both on it."""
+    row = model_iteration(WORLD_8_4K_MASTERS_NIC)
+    assert row.collective_bytes == _ring_bytes_each_way(WORLD_8_4K_MASTERS_NIC)
+    link = LinkModel.preset(WORLD_8_4K_MASTERS_NIC.link)
+    collectives_alone = link.concurrent_copy_seconds(0, 0, collective_nbytes=row.collective_bytes)
+    assert row.unswapped_seconds >= collectives_alone > WORLD_8_4K_MASTERS_NIC.compute_seconds, row
+    assert row.transfer_bound_seconds > row.unswapped_seconds, "the link, not the compute, is the limit"
+    assert row.in_backward_seconds <= 1.01 * row.lower_bound_seconds, row
+    without_card = model_iteration(dataclasses.replace(WORLD_8_4K_MASTERS_NIC, link="pcie5-achievable"))
+    assert row.in_backward_seconds > without_card.in_backward_seconds, "the collectives are timed"
 
 
 def test_the_table_of_the_step_in_backward_page() -> None:

@@ -30,7 +30,7 @@ def test_quick_run_writes_rows_whose_three_paths_agree_bitwise(tmp_path: Path) -
     argv = ["narrowing", "--quick", "--batches", "4", "--optimizers", "sgd", "nadam", "adamw8bit", "--json", str(path)]
     assert main(argv) == 0
     document: dict[str, Any] = json.loads(path.read_text())
-    assert document["schema"] == SCHEMA == "swap-bench/8" and document["kind"] == "narrowing"
+    assert document["schema"] == SCHEMA == "swap-bench/9" and document["kind"] == "narrowing"
     assert document["rows"] == [] and document["modeled_rows"] == [] and document["comparisons"] == []
     assert document["config"]["batches"] == 4 and document["config"]["repeats"] == 3
     rows = {row["optimizer"]: row for row in document["narrowing_rows"]}

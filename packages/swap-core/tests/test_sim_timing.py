@@ -37,7 +37,14 @@ def _host_and_device(sim: SimBackend) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_link_model_checks_its_numbers_and_names_its_presets() -> None:
     theoretical = {"pcie4", "pcie5", "ascend-910b"}
-    assert set(LINK_PRESETS) == theoretical | {f"{name}-achievable" for name in theoretical}
+    achievable = {f"{name}-achievable" for name in theoretical}
+    assert set(LINK_PRESETS) == theoretical | achievable | {"pcie5-achievable-nic"}
+    with_card = LinkModel.preset("pcie5-achievable-nic")
+    assert dataclasses.replace(with_card, network_gbps=None) == LinkModel.preset("pcie5-achievable")
+    assert with_card.network_gbps == 50.0 and with_card.collective_gbps("h2d") == 50.0
+    for network in (0.0, -1.0, math.inf, "50"):
+        with pytest.raises(ValueError, match=r"LinkModel.network_gbps must be None or a finite number > 0"):
+            LinkModel(1.0, 1.0, 1.0, network_gbps=network)  # type: ignore[arg-type]
     assert LinkModel.preset("pcie5").h2d_gbps == 63.0
     with pytest.raises(ValueError, match=r"Unknown LinkModel preset 'pcie9'.*'pcie4'"):
         LinkModel.preset("pcie9")
@@ -69,7 +76,7 @@ def test_the_theoretical_presets_keep_their_numbers() -> None:
     for name, numbers in expected.items():
         link = LinkModel.preset(name)
         fields = dataclasses.astuple(link)
-        assert fields[:-1] == numbers and link.ranks_sharing_host == 1, name
+        assert fields[:-2] == numbers and link.ranks_sharing_host == 1 and link.network_gbps is None, name
         assert link.copy_seconds("h2d", NBYTES) == NBYTES / (link.h2d_gbps * 1e9), name  # as before the host share
         assert link.concurrent_copy_seconds(NBYTES, NBYTES) == link.copy_seconds("d2h", NBYTES), "full duplex"
 
@@ -122,6 +129,63 @@ def test_a_duplex_overlapped_pair_of_copies_takes_longer_than_either_alone() -> 
     clock.issue_transfer("in", "h2d", NBYTES)
     assert clock.issue_transfer("device", "d2d", NBYTES) == 2 * NBYTES / 1000e9
     assert clock.issue_transfer("in", "h2d", NBYTES) == pytest.approx(2 * ALONE, rel=1e-12), "one stream serializes"
+
+
+NIC = dataclasses.replace(DUPLEX, duplex_factor=2.0, network_gbps=10.0, host_memory_gbps=25.0)
+"""A 20 GB/s full-duplex link whose network card moves 10 GB/s each way, on a host that gives the copies 25 GB/s."""
+
+
+def test_a_collective_shares_the_link_with_the_copies_but_not_host_memory() -> None:
+    # Alone: at the card's rate (below the link's).
+    clock = VirtualClock(NIC)
+    assert clock.issue_collective("net-in", "h2d", NBYTES) == pytest.approx(NBYTES / 10e9, rel=1e-12)
+    assert clock.transfers_started is None, "a collective is not one of the step's copies"
+    # Beside a copy in its direction: the copy issued first keeps its 20 GB/s, the collective waits for the link.
+    clock = VirtualClock(NIC)
+    assert clock.issue_transfer("in", "h2d", NBYTES) == pytest.approx(ALONE, rel=1e-12)
+    assert clock.issue_collective("net-in", "h2d", NBYTES) == pytest.approx(ALONE + NBYTES / 10e9, rel=1e-12)
+    # Issued first, the collective takes 10 GB/s of the direction: a copy beside it gets the other 10 (both end
+    # together, at twice a copy alone), and a shorter one ends at N / 2 over 10 GB/s.
+    clock = VirtualClock(NIC)
+    clock.issue_collective("net-in", "h2d", NBYTES)
+    assert clock.issue_transfer("in", "h2d", NBYTES) == pytest.approx(2 * ALONE, rel=1e-12)
+    clock = VirtualClock(NIC)
+    clock.issue_collective("net-in", "h2d", 2 * NBYTES)
+    assert clock.issue_transfer("in", "h2d", NBYTES // 2) == pytest.approx(ALONE, rel=1e-12)
+    # The other direction: full duplex leaves the copy its link, and the card reads no host memory, so the copy keeps
+    # the whole host share (25 GB/s caps it: 20 GB/s of link).
+    clock = VirtualClock(NIC)
+    clock.issue_collective("net-out", "d2h", NBYTES)
+    assert clock.issue_transfer("in", "h2d", NBYTES) == pytest.approx(ALONE, rel=1e-12)
+    # Without a card on the link the collectives are not modeled: no time, nothing issued, copies unslowed.
+    clock = VirtualClock(DUPLEX)
+    assert clock.issue_collective("net-in", "h2d", NBYTES) == clock.host == 0.0
+    assert clock.issue_transfer("in", "h2d", NBYTES) == pytest.approx(ALONE, rel=1e-12)
+
+
+def test_the_transfer_bound_counts_the_collectives_on_the_link() -> None:
+    """Copies of N each way beside collectives of N each way on a 20 GB/s full-duplex link: 2 N a direction."""
+    assert NIC.concurrent_copy_seconds(NBYTES, NBYTES, collective_nbytes=NBYTES) == pytest.approx(2 * ALONE)
+    assert NIC.concurrent_copy_seconds(NBYTES, NBYTES) == pytest.approx(2 * NBYTES / 25e9), "the host share"
+    assert DUPLEX.concurrent_copy_seconds(NBYTES, 0, collective_nbytes=NBYTES) == ALONE, "no card on the link"
+    # The card's own rate bounds the collectives alone: N at 10 GB/s.
+    assert NIC.concurrent_copy_seconds(0, 0, collective_nbytes=NBYTES) == pytest.approx(NBYTES / 10e9)
+
+
+def test_a_modeled_collective_delays_the_stream_that_waits_for_it() -> None:
+    """SimBackend.model_collective puts a ring's bytes in and out on the clock; model_wait holds the current
+    stream until they have arrived."""
+    sim = _sim(dataclasses.replace(NIC, launch_us=0.0))
+    arrived = sim.model_collective(NBYTES, NBYTES)
+    assert arrived == pytest.approx(NBYTES / 10e9, rel=1e-12)
+    sim.model_wait(arrived)
+    sim.model_compute(1e-3)
+    times = sim.modeled_times()
+    assert times is not None and times.compute == pytest.approx(arrived + 1e-3, rel=1e-12)
+    with pytest.raises(ValueError, match="model_collective needs bytes >= 0"):
+        sim.model_collective(-1, 0)
+    with pytest.raises(ValueError, match=r"model_wait needs a virtual clock"):
+        SimBackend().model_wait(1.0)
 
 
 def test_ranks_sharing_host_memory_slow_copies_when_the_host_is_the_bottleneck() -> None:

@@ -13,7 +13,7 @@ Rows (:data:`ROWS`), each in a process of its own (:mod:`swap_bench.perf_rows`),
   the same plain optimizer.
 
 Each swapped row reports the link bytes per second its steps achieved (``opt.stats.link_bytes_per_second``, traced
-steps) against the raw rate of copies both ways at once. The JSON report (schema ``swap-bench/8``, kind
+steps) against the raw rate of copies both ways at once. The JSON report (schema ``swap-bench/9``, kind
 ``"device-perf"``) holds the machine's facts, the plan, every row, the skipped and failed ones and the goals; a table
 is printed. A row that fails or runs out of the budget is reported and the next one runs; the exit status is 1 when
 one failed (or, with ``--check-parity``, when a swapped row's parameters are not bitwise the plain ones).

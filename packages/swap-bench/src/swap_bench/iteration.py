@@ -8,14 +8,15 @@ with the optimizer unswapped, swapped with ``step="after_backward"`` and swapped
 
 The compute is the model's training FLOPs at a stated utilization of the device's matmul peak: ``6 N T`` for ``N``
 parameters and ``T`` tokens a rank, a third of it forward, the rest backward, each layer's share in proportion to
-its parameters. The interconnect is not modeled: the all-gathers and reduce-scatters are taken as hidden under
-the compute, as FSDP2 overlaps them. Deterministic: the same numbers on every machine.
+its parameters. FSDP2's all-gathers and reduce-scatters (:mod:`swap_bench.fsdp_layers`) cross the device's link
+beside the swap's copies when the link preset says the rank's network card shares it (``LinkModel.network_gbps``,
+``pcie5-achievable-nic``); with any other preset they are taken as hidden under the compute, as FSDP2 overlaps them.
+Deterministic: the same numbers on every machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -25,7 +26,8 @@ import torch
 from swap_core import SwapConfig, SwapStats, swap_optimizer
 from swap_core.sim import LinkModel, MetaBackend, modeled_iterations
 
-from .models import MODELS, ModelShape, fsdp_shard_shape
+from .fsdp_layers import ModeledLayer, model_layers, modeled_forward_backward
+from .models import MODELS, ModelShape
 from .workloads import OPTIMIZERS, OptimizerSpec
 
 __all__ = [
@@ -95,6 +97,8 @@ class IterationRow:
     swap_times: int
     staging_buffers: int
     clipping: Clipping
+    utilization: float
+    """The forward's and backward's share of the device's matmul peak."""
     compute_seconds: float
     """The forward and backward alone."""
     unswapped_seconds: float
@@ -102,11 +106,14 @@ class IterationRow:
     after_backward_seconds: float
     in_backward_seconds: float
     transfer_bound_seconds: float
-    """Every swapped byte copied in and out once an iteration, both directions at once at the link's rate
-    (``LinkModel.concurrent_copy_seconds``): no iteration of a swapped optimizer is shorter than this or than the
-    unswapped one."""
+    """Every swapped byte copied in and out once an iteration, both directions at once at the link's rate, beside
+    the collectives' bytes where they share the link (``LinkModel.concurrent_copy_seconds``): no iteration of a
+    swapped optimizer is shorter than this or than the unswapped one."""
     swapped_bytes: int
     """Bytes of state (and masters) copied each way an iteration."""
+    collective_bytes: int
+    """Bytes FSDP2's collectives move each way an iteration (two all-gathers and a reduce-scatter of every unit);
+    they share the link only with a preset whose ``network_gbps`` is set."""
     host_bytes_after_backward: int
     """Host bytes the swapped optimizer holds stepping after the backward: its states' (and masters') host copies."""
     host_bytes_in_backward: int
@@ -133,6 +140,7 @@ def model_iteration(spec: IterationModel) -> IterationRow:
     after_backward, after_stats = _timed_loop(spec, link, "after_backward")
     in_backward, stats = _timed_loop(spec, link, "in_backward")
     assert after_stats is not None and stats is not None
+    collective_bytes = 3 * sum(layer.ring_bytes for layer in _layers(spec, torch.float32))
     return IterationRow(
         name=spec.model.name,
         world=spec.world,
@@ -144,12 +152,16 @@ def model_iteration(spec: IterationModel) -> IterationRow:
         swap_times=spec.swap_times,
         staging_buffers=spec.staging_buffers,
         clipping=spec.clipping,
+        utilization=spec.utilization,
         compute_seconds=spec.compute_seconds,
         unswapped_seconds=unswapped,
         after_backward_seconds=after_backward,
         in_backward_seconds=in_backward,
-        transfer_bound_seconds=link.concurrent_copy_seconds(stats.h2d_bytes, stats.h2d_bytes),
+        transfer_bound_seconds=link.concurrent_copy_seconds(
+            stats.h2d_bytes, stats.h2d_bytes, collective_nbytes=collective_bytes
+        ),
         swapped_bytes=stats.h2d_bytes,
+        collective_bytes=collective_bytes,
         host_bytes_after_backward=after_stats.host_state_bytes,
         host_bytes_in_backward=stats.host_state_bytes + stats.host_spare_bytes + stats.host_param_copy_bytes,
     )
@@ -161,7 +173,7 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
     # Unswapped with master weights: the optimizer over the fp32 masters (the casts to and from them left out).
     dtype = torch.bfloat16 if spec.master_weights and step is not None else torch.float32
     layers = _layers(spec, dtype)
-    params = [param for layer, _ in layers for param in layer]
+    params = [param for layer in layers for param in layer.params]
     optimizer = spec.optimizer.build(params)
     if step is None:
 
@@ -191,9 +203,9 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
     seconds = modeled_iterations(
         backend,
         run_step,
-        forward_backward_seconds=spec.compute_seconds / 3,  # the forward; the backward models its layers
+        forward_backward_seconds=0.0,  # each layer's forward and backward is modeled on its own
         iterations=ITERATIONS + 1,
-        backward=lambda: _backward(backend, layers),
+        backward=lambda: modeled_forward_backward(backend, layers, gradients_used_in_backward=step == "in_backward"),
     )
     stats: SwapStats | None = getattr(optimizer, "stats", None)
     return seconds[-1], stats
@@ -217,74 +229,26 @@ def _clip(backend: MetaBackend, params: Sequence[torch.nn.Parameter], clipping: 
                 param.grad = param.grad * coefficient
 
 
-def _layers(spec: IterationModel, dtype: torch.dtype) -> list[tuple[list[torch.nn.Parameter], float]]:
-    """Rank 0's FSDP2 shards of the model's parameters (meta tensors), grouped by layer in forward order, each
-    group with its backward's seconds (two thirds of the compute, shared in proportion to the parameters)."""
-    groups: dict[str, list[tuple[int, ...]]] = {}
-    for name, shape in spec.model.parameter_shapes():
-        layer = re.match(r"model\.layers\.\d+\.", name)
-        groups.setdefault(layer.group(0) if layer else _outside_layers(name), []).append(shape)
-    backward_seconds = spec.compute_seconds * 2 / 3
-    layers = []
-    for shapes in groups.values():
-        params = [
-            torch.nn.Parameter(torch.empty(fsdp_shard_shape(shape, spec.world, 0), dtype=dtype, device="meta"))
-            for shape in shapes
-        ]
-        share = sum(_numel(shape) for shape in shapes) / spec.model.numel
-        layers.append(([param for param in params if param.numel() > 0], backward_seconds * share))
-    return layers
-
-
-def _outside_layers(name: str) -> str:
-    """The embedding's group, or the head's (the final norm and the output projection)."""
-    return "embedding" if "embed" in name else "head"
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _backward(backend: MetaBackend, layers: list[tuple[list[torch.nn.Parameter], float]]) -> None:
-    """An autograd backward through ``layers``: each layer's node models its seconds on the current stream, then
-    hands its parameters their gradients (the last layer's first, as a model's backward does)."""
-    hidden = torch.zeros((), device="meta")
-    for params, seconds in layers:
-        hidden = _LayerNode.apply(hidden, backend, seconds, *params)  # type: ignore[no-untyped-call]
-    torch.autograd.backward([hidden])
-
-
-class _LayerNode(torch.autograd.Function):
-    """Forward: nothing (the forward is modeled as a whole); backward: the layer's modeled compute, then
-    gradients of its parameters' shapes."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, backend: MetaBackend, seconds: float, *params: torch.Tensor) -> Any:
-        ctx.backend, ctx.seconds = backend, seconds
-        ctx.shapes = [(param.shape, param.dtype) for param in params]
-        return hidden.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.backend.model_compute(ctx.seconds)
-        grads = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in ctx.shapes]
-        return grad, None, None, *grads
+def _layers(spec: IterationModel, dtype: torch.dtype) -> list[ModeledLayer]:
+    """Rank 0's FSDP2 units of the model, in forward order, their parameters in ``dtype``, gathered in the model's
+    (bf16 with master weights, fp32 without)."""
+    gathered = torch.bfloat16 if spec.master_weights else torch.float32
+    return model_layers(spec.model, spec.world, dtype, spec.compute_seconds, gathered_dtype=gathered)
 
 
 def iteration_table(rows: Sequence[IterationRow]) -> str:
     """``rows`` as a markdown table: the iteration each way, and the swapped ones over the lower bound."""
     lines = [
-        "| model | world | tokens a rank | masters | ranks a host | batches | staged | clipping | unswapped | "
-        "after the backward | inside the backward | transfers' bound | inside / lower bound | host GB after / inside |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | world | tokens a rank | masters | link, peak used | ranks a host | batches | staged | clipping | "
+        "unswapped | after the backward | inside the backward | transfers' bound | inside / lower bound | "
+        "host GB after / inside |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row.name} | {row.world} | {row.tokens:,} | {'yes' if row.master_weights else 'no'} | "
-            f"{row.ranks_per_node} | {row.swap_times} | {row.staging_buffers} | {row.clipping.replace('_', ' ')} | "
+            f"{row.link}, {row.utilization:.0%} | {row.ranks_per_node} | {row.swap_times} | {row.staging_buffers} | "
+            f"{row.clipping.replace('_', ' ')} | "
             f"{row.unswapped_seconds * 1e3:.1f} ms | "
             f"{row.after_backward_seconds * 1e3:.1f} ms ({row.after_backward_seconds / row.unswapped_seconds:.3f} x) | "
             f"{row.in_backward_seconds * 1e3:.1f} ms ({row.in_backward_seconds / row.unswapped_seconds:.3f} x) | "
@@ -299,7 +263,8 @@ def documented_models() -> list[IterationModel]:
     batches (16 at world 1), 40% of the peak: at world 8 with 4k and 64k tokens, with and without master weights,
     one and eight ranks a host; at world 1 with master weights, where the link cannot keep up, with two staging
     buffers and with three; at world 8 with 4k tokens, with and without master weights, clipping at 1.0 that never
-    binds and that always binds."""
+    binds and that always binds; at world 8 with 4k tokens and master weights, at 55% of the peak, and with the
+    collectives on the link (``pcie5-achievable-nic``)."""
     llama, adamw, link = MODELS["llama-7b"], OPTIMIZERS["adamw"], "pcie5-achievable"
     return [
         IterationModel(llama, 8, 4096, adamw, link, swap_times=8),
@@ -313,4 +278,6 @@ def documented_models() -> list[IterationModel]:
             for masters in (False, True)
             for clipping in typing.get_args(Clipping)[1:]
         ),
+        IterationModel(llama, 8, 4096, adamw, link, swap_times=8, master_weights=True, utilization=0.55),
+        IterationModel(llama, 8, 4096, adamw, f"{link}-nic", swap_times=8, master_weights=True),
     ]

@@ -28,7 +28,7 @@ __all__ = [
     "save_json",
 ]
 
-SCHEMA = "swap-bench/8"
+SCHEMA = "swap-bench/9"
 """Version tag of the JSON document; bumped when fields change meaning (2: ``modeled_rows`` and ``kind``; 3:
 ``kind`` ``"narrowing"`` and ``narrowing_rows``, empty in the other kinds; 4: modeled rows' ``ranks_per_node`` and
 ``link_model``, and a ``bound_seconds`` that counts the link's duplex factor and host memory share; 5:

@@ -331,6 +331,16 @@ class SimBackend(SimHostMemory):
         """Put ``seconds`` of modeled work (a forward and backward) on the compute stream's virtual timeline."""
         self._modeled_time.model_compute(seconds)
 
+    def model_collective(self, received_bytes: int, sent_bytes: int) -> float:
+        """Put a collective's traffic on the virtual clock (an FSDP all-gather or reduce-scatter of this rank:
+        ``received_bytes`` in, ``sent_bytes`` out, at once); returns when the last byte has arrived. It shares the
+        host link with the copies when ``LinkModel.network_gbps`` is set, and takes no time otherwise."""
+        return self._modeled_time.model_collective(received_bytes, sent_bytes)
+
+    def model_wait(self, until: float) -> None:
+        """The current stream starts no later work before ``until`` (virtual seconds: a collective's result)."""
+        self._modeled_time.model_wait(until)
+
     def model_host_read(self) -> None:
         """The host reads a value the current stream computes (``loss.item()``): on the virtual clock it waits for
         that stream's work so far."""

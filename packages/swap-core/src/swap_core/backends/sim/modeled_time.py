@@ -1,7 +1,8 @@
 """The simulator's calls on the virtual clock itself: modeled work, modeled host reads, and where the clock stands.
 
 :class:`SimModeledTime` puts work the simulator does not run (a forward and backward) on the compute stream's
-virtual timeline, makes the host wait for the current stream as a read of a computed value would, reports the
+virtual timeline, puts the collectives' traffic between ranks on the link's (when the link says the network card
+shares it), makes the host wait for the current stream as a read of a computed value would, reports the
 stream and host times as :class:`~swap_core.backends.protocol.ModeledTimes`, and opens the window in which the
 first copy's start is noted (:mod:`~swap_core.backends.sim.timing`). :class:`~swap_core.sim.SimBackend`
 delegates its virtual-clock methods here.
@@ -10,9 +11,12 @@ delegates its virtual-clock methods here.
 from __future__ import annotations
 
 from .machine import SimMachine
-from .timing import ModeledTimes
+from .timing import ModeledTimes, VirtualClock
 
 __all__ = ["SimModeledTime"]
+
+_NETWORK_IN, _NETWORK_OUT = "network-in", "network-out"
+"""The virtual timelines of the collectives' bytes received and sent (a ring sends while it receives)."""
 
 
 class SimModeledTime:
@@ -23,18 +27,32 @@ class SimModeledTime:
 
     def model_compute(self, seconds: float) -> None:
         """See :meth:`SimBackend.model_compute`."""
-        clock = self._machine.clock
-        if clock is None:
-            raise ValueError("model_compute needs a virtual clock: SimBackend(timing=LinkModel(...))")
+        clock = self._clock("model_compute")
         if not seconds >= 0:
             raise ValueError(f"model_compute needs seconds >= 0, got {seconds!r}")
         clock.issue(self._machine.current_stream().name, seconds)
 
-    def model_host_read(self) -> None:
-        """See :meth:`SimBackend.model_host_read`."""
+    def model_collective(self, received_bytes: int, sent_bytes: int) -> float:
+        """See :meth:`SimBackend.model_collective`."""
+        clock = self._clock("model_collective")
+        if received_bytes < 0 or sent_bytes < 0:
+            raise ValueError(f"model_collective needs bytes >= 0, got {received_bytes!r} and {sent_bytes!r}")
+        clock.issue_collective(_NETWORK_OUT, "d2h", sent_bytes)
+        return clock.issue_collective(_NETWORK_IN, "h2d", received_bytes)
+
+    def model_wait(self, until: float) -> None:
+        """See :meth:`SimBackend.model_wait`."""
+        self._clock("model_wait").wait(self._machine.current_stream().name, until)
+
+    def _clock(self, method: str) -> VirtualClock:
         clock = self._machine.clock
         if clock is None:
-            raise ValueError("model_host_read needs a virtual clock: SimBackend(timing=LinkModel(...))")
+            raise ValueError(f"{method} needs a virtual clock: SimBackend(timing=LinkModel(...))")
+        return clock
+
+    def model_host_read(self) -> None:
+        """See :meth:`SimBackend.model_host_read`."""
+        clock = self._clock("model_host_read")
         clock.host_waits(clock.free_at(self._machine.current_stream().name))
 
     def modeled_times(self) -> ModeledTimes | None:

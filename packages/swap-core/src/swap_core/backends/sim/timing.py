@@ -19,6 +19,10 @@ and on every machine:
   move ``duplex_factor`` times one direction's bytes, as a fair split would, and the later copy ends
   later than under a fair split (two equal copies issued together: ``3 - duplex_factor`` times one
   copy alone). Two copies in one direction on two streams still overlap unslowed;
+- a collective (:meth:`VirtualClock.issue_collective`, an FSDP all-gather's or reduce-scatter's bytes received and
+  sent) crosses the same link when ``network_gbps`` says the rank's network card sits behind the device's PCIe
+  switch: it shares the link's bandwidth as a copy does, at most ``network_gbps`` each way, and never touches host
+  memory (the card reads and writes device memory directly, GPUDirect RDMA);
 - a compute op inside ``compute_scope`` lasts the bytes it touches over device memory bandwidth,
   a matrix product its FLOPs over ``device_tflops`` if that is longer;
 - an event carries its stream's time when recorded; a stream that waits for it starts no later
@@ -75,6 +79,10 @@ class LinkModel:
     ranks_sharing_host: int = 1
     """Ranks streaming through that host memory at once, each as this one does: this rank's copies together get
     ``host_memory_gbps / ranks_sharing_host``."""
+    network_gbps: float | None = None
+    """The rank's network card, when it sits behind the device's PCIe switch (one rank a host, each device with its
+    own card): the collectives' traffic between ranks crosses the device's link too, at most this rate each way.
+    ``None``: the collectives do not use the link (they run over NVLink within a node, or are not modeled)."""
 
     def __post_init__(self) -> None:
         for field in ("h2d_gbps", "d2h_gbps", "device_gbps", "device_tflops", "launch_us", "duplex_factor"):
@@ -88,6 +96,9 @@ class LinkModel:
         host: object = self.host_memory_gbps
         if host is not None and (not _finite_number(host) or host <= 0):  # type: ignore[operator]
             raise ValueError(f"LinkModel.host_memory_gbps must be None or a finite number > 0, got {host!r}")
+        network: object = self.network_gbps
+        if network is not None and (not _finite_number(network) or network <= 0):  # type: ignore[operator]
+            raise ValueError(f"LinkModel.network_gbps must be None or a finite number > 0, got {network!r}")
         ranks: object = self.ranks_sharing_host
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"LinkModel.ranks_sharing_host must be an int >= 1, got {ranks!r}")
@@ -119,24 +130,39 @@ class LinkModel:
         """The bandwidth of a host-device copy alone in ``direction``: its link's, or the host share if lower."""
         return min(self.link_gbps(direction), self.host_share_gbps)
 
+    def collective_gbps(self, direction: str) -> float:
+        """The bandwidth of a collective's traffic alone in ``direction`` (``"h2d"``: received, ``"d2h"``: sent):
+        the link's, or the network card's if lower; 0 when the collectives do not use the link."""
+        if self.network_gbps is None:
+            return 0.0
+        return min(self.link_gbps(direction), self.network_gbps)
+
     def copy_seconds(self, direction: str, nbytes: int) -> float:
         """How long a copy of ``nbytes`` alone lasts in ``direction`` (``"h2d"``, ``"d2h"`` or ``"d2d"``)."""
         if direction in _HOST_LINK_DIRECTIONS:
             return nbytes / (self.copy_gbps(direction) * _GB)
         return 2 * nbytes / (self.device_gbps * _GB)
 
-    def concurrent_copy_seconds(self, h2d_nbytes: int, d2h_nbytes: int) -> float:
-        """The least time in which a host-to-device and a device-to-host copy run at once can both finish.
+    def concurrent_copy_seconds(self, h2d_nbytes: int, d2h_nbytes: int, *, collective_nbytes: int = 0) -> float:
+        """The least time in which a host-to-device and a device-to-host copy run at once can both finish, beside
+        ``collective_nbytes`` of collective traffic each way (counted only when ``network_gbps`` is set).
 
-        Each direction at most its own bandwidth, both together at most ``duplex_factor`` times one direction's
-        (in shares of each direction's bandwidth) and at most the host share: the bound of a pipeline whose
-        copy-in and copy-out overlap. Two directions alone at full duplex: the longer of the two copies.
+        Each direction at most its own bandwidth (shared with the collectives' traffic in it), both together at most
+        ``duplex_factor`` times one direction's (in shares of each direction's bandwidth), the copies at most the
+        host share, the collectives at most the network card's rate: the bound of a pipeline whose copy-in and
+        copy-out overlap. Two directions alone at full duplex: the longer of the two copies.
         """
+        network = 0 if self.network_gbps is None else collective_nbytes
+        in_link = (h2d_nbytes + network) / (self.h2d_gbps * _GB)
+        out_link = (d2h_nbytes + network) / (self.d2h_gbps * _GB)
         return max(
             self.copy_seconds("h2d", h2d_nbytes),
             self.copy_seconds("d2h", d2h_nbytes),
-            (h2d_nbytes / (self.h2d_gbps * _GB) + d2h_nbytes / (self.d2h_gbps * _GB)) / self.duplex_factor,
+            in_link,
+            out_link,
+            (in_link + out_link) / self.duplex_factor,
             (h2d_nbytes + d2h_nbytes) / (self.host_share_gbps * _GB),
+            network / (self.network_gbps * _GB) if self.network_gbps is not None else 0.0,
         )
 
     def compute_seconds(self, touched_bytes: int, flops: int = 0) -> float:
@@ -187,6 +213,18 @@ LINK_PRESETS: Mapping[str, LinkModel] = {
         duplex_factor=1.4,
         host_memory_gbps=450.56,
     ),
+    # The same H100 with its network card behind its PCIe switch, as in an 8-GPU Hopper node (one ConnectX-7 a GPU,
+    # GPUDirect RDMA through the switch that links the GPU to the host): with one rank a node, FSDP's collectives
+    # cross the GPU's PCIe link beside the swap's copies. 400 Gb/s InfiniBand NDR: 50 GB/s each way (wire rate).
+    "pcie5-achievable-nic": LinkModel(
+        h2d_gbps=55.0,
+        d2h_gbps=55.0,
+        device_gbps=3350.0,
+        device_tflops=989.0,
+        duplex_factor=1.4,
+        host_memory_gbps=450.56,
+        network_gbps=50.0,
+    ),
     # Ascend 910B: no public pinned-copy measurement was found; assumed the A100's on the same PCIe 4.0 x16.
     "ascend-910b-achievable": LinkModel(
         h2d_gbps=25.5, d2h_gbps=25.5, device_gbps=1200.0, device_tflops=280.0, duplex_factor=1.4
@@ -232,13 +270,26 @@ class VirtualClock:
         seconds = self.link.copy_seconds(direction, nbytes)
         if direction not in _HOST_LINK_DIRECTIONS:
             return self.issue_copy(stream, seconds)
-        self._host_link.forget_before(self.host)  # no copy issued from now on starts earlier
         start = max(self.host, self.free_at(stream))
-        end = self._host_link.occupy(direction, start, seconds)
-        self._free_at[stream] = end
-        self.host += self.link.launch_us * 1e-6
+        end = self._on_link(stream, direction, start, nbytes, through_host=True)
         if self.transfers_started is None or start < self.transfers_started:
             self.transfers_started = start
+        return end
+
+    def issue_collective(self, stream: str, direction: str, nbytes: int) -> float:
+        """A collective's ``nbytes`` received (``"h2d"``) or sent (``"d2h"``) on ``stream``, issued by the host now;
+        returns when they have crossed. On the link beside the copies when ``LinkModel.network_gbps`` is set (see
+        the module's docstring); otherwise the collectives are not modeled: nothing is issued, and it returns now."""
+        if self.link.network_gbps is None:
+            return self.host
+        start = max(self.host, self.free_at(stream))
+        return self._on_link(stream, direction, start, nbytes, through_host=False)
+
+    def _on_link(self, stream: str, direction: str, start: float, nbytes: int, *, through_host: bool) -> float:
+        self._host_link.forget_before(self.host)  # nothing issued from now on starts earlier
+        end = self._host_link.occupy(direction, start, nbytes, through_host=through_host)
+        self._free_at[stream] = end
+        self.host += self.link.launch_us * 1e-6
         return end
 
     def free_at(self, stream: str) -> float:
@@ -267,53 +318,79 @@ class VirtualClock:
 
 
 class _HostLinkUsage:
-    """The bandwidth that the host-device copies issued so far take, direction by direction, over virtual time.
+    """The bandwidth that the traffic issued so far takes on the host link, direction by direction, over virtual time.
 
-    Each copy is kept as spans of constant bandwidth (bytes/s) until no copy issued later can start before they
-    end. A new copy gets, at every instant, what the copies in the other direction leave: at most its bandwidth
-    alone, at most ``duplex_factor - u`` times its direction's link bandwidth (``u``: the share of their own
-    direction's link bandwidth they use), and at most the host share minus their bytes/s.
+    Each copy or collective is kept as spans of constant bandwidth (bytes/s) until nothing issued later can start
+    before they end. A new one gets, at every instant, what the others leave: at most its bandwidth alone, at most
+    its direction's link bandwidth minus what the traffic of the other kind (collectives for a copy, copies for a
+    collective) takes in that direction, at most ``duplex_factor - u`` times its direction's link bandwidth (``u``:
+    the shares of their own direction's link bandwidth that those and all the traffic in the other direction use),
+    and, a copy through host memory, at most the host share minus what the other such copies take. Two copies in one
+    direction on two streams overlap unslowed by each other (the swap's only such pair is a small read beside a
+    copy-out, which the link interleaves; handed-out times cannot be shared fairly after the fact).
     """
 
     def __init__(self, link: LinkModel) -> None:
         self._link = link
-        self._spans: dict[str, list[tuple[float, float, float]]] = {
-            direction: [] for direction in _HOST_LINK_DIRECTIONS
-        }
+        self._spans: dict[str, list[_Span]] = {direction: [] for direction in _HOST_LINK_DIRECTIONS}
 
     def forget_before(self, time: float) -> None:
         """Drop the spans that end by ``time``."""
         for direction, spans in self._spans.items():
-            self._spans[direction] = [span for span in spans if span[1] > time]
+            self._spans[direction] = [span for span in spans if span.end > time]
 
-    def occupy(self, direction: str, start: float, seconds: float) -> float:
-        """Place a copy that alone lasts ``seconds`` in ``direction`` from ``start``; returns when it ends."""
+    def occupy(self, direction: str, start: float, nbytes: int, *, through_host: bool) -> float:
+        """Place ``nbytes`` in ``direction`` from ``start`` (a copy through host memory, or a collective's traffic
+        that does not touch it); returns when they have crossed."""
         link = self._link
-        alone = link.copy_gbps(direction) * _GB
-        other_direction = "d2h" if direction == "h2d" else "h2d"
-        other_spans = self._spans[other_direction]
-        bounds = sorted({time for span in other_spans for time in span[:2] if time > start})
-        spans: list[tuple[float, float, float]] = []
+        alone = (link.copy_gbps(direction) if through_host else link.collective_gbps(direction)) * _GB
+        others = [span for spans in self._spans.values() for span in spans]
+        bounds = sorted({time for span in others for time in (span.begin, span.end) if time > start})
+        placed: list[_Span] = []
         slowed = False
-        now, remaining = start, seconds  # remaining: seconds of the copy alone still to run
-        own_link, other_link = link.link_gbps(direction) * _GB, link.link_gbps(other_direction) * _GB
-        for until in [*bounds, math.inf]:  # the other direction's bandwidth is constant in between
-            other = sum(rate for begin, end, rate in other_spans if begin <= now < end)
-            duplex_left = max(0.0, link.duplex_factor - other / other_link)  # in shares of this direction's link
-            rate = min(alone, own_link * duplex_left, max(0.0, link.host_share_gbps * _GB - other))
+        now, remaining = start, float(nbytes)
+        for until in [*bounds, math.inf]:  # the others' bandwidth is constant in between
+            rate = self._rate_left(direction, now, alone, through_host=through_host)
             slowed = slowed or rate < alone
-            if rate > 0:  # else the copy waits for the link
-                finish = now + remaining * alone / rate
+            if rate > 0:  # else it waits for the link
+                finish = now + remaining / rate
                 if finish <= until:
-                    spans.append((now, finish, rate))
+                    placed.append(_Span(now, finish, rate, through_host))
                     break
-                spans.append((now, until, rate))
-                remaining -= (until - now) * rate / alone
+                placed.append(_Span(now, until, rate, through_host))
+                remaining -= (until - now) * rate
             now = until
-        if not slowed:  # exactly the copy alone, as without sharing
-            spans = [(start, start + seconds, alone)]
-        self._spans[direction].extend(spans)
-        return spans[-1][1]
+        if not slowed:  # exactly alone, as without sharing
+            placed = [_Span(start, start + nbytes / alone, alone, through_host)]
+        self._spans[direction].extend(placed)
+        return placed[-1].end
+
+    def _rate_left(self, direction: str, now: float, alone: float, *, through_host: bool) -> float:
+        link = self._link
+        used = {key: 0.0 for key in _HOST_LINK_DIRECTIONS}
+        host_used = 0.0
+        for key, spans in self._spans.items():
+            for span in spans:
+                if span.begin <= now < span.end:
+                    if key != direction or span.through_host != through_host:
+                        used[key] += span.rate
+                    host_used += span.rate if span.through_host else 0.0
+        own_link = link.link_gbps(direction) * _GB
+        duplex_left = link.duplex_factor - sum(used[key] / (link.link_gbps(key) * _GB) for key in used)
+        rate = min(alone, own_link - used[direction], own_link * duplex_left)
+        if through_host:
+            rate = min(rate, link.host_share_gbps * _GB - host_used)
+        return max(0.0, rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """Traffic at a constant ``rate`` (bytes/s) from ``begin`` to ``end``, through host memory or not."""
+
+    begin: float
+    end: float
+    rate: float
+    through_host: bool
 
 
 class TimedComputeMode(ProgramOpMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
