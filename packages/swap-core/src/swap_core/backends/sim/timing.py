@@ -174,6 +174,15 @@ def _finite_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# H100 on PCIe 5.0: about 55 GB/s each way alone (an nvbandwidth host_to_device_memcpy_ce run at 55.63 GB/s;
+# 52.77 GB/s device-to-host with SM copies on an 8x H100 node, NVIDIA/nvbandwidth#24). No public pair of
+# bidirectional H100 figures was found: duplex_factor assumed PCIe 4's measured 1.4 (the one PCIe 5 report,
+# 51 GB/s host-to-device under device-to-host traffic in #53, gives no figure for the other direction). Host memory
+# as for the other achievable presets below.
+_PCIE5_ACHIEVABLE = LinkModel(
+    h2d_gbps=55.0, d2h_gbps=55.0, device_gbps=3350.0, device_tflops=989.0, duplex_factor=1.4, host_memory_gbps=450.56
+)
+
 LINK_PRESETS: Mapping[str, LinkModel] = {
     # Theoretical rates; PCIe is full duplex (each direction has its own lanes): duplex_factor 2.0.
     # PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b coding = 31.5 GB/s per direction (PCI-SIG); device: NVIDIA A100
@@ -201,30 +210,11 @@ LINK_PRESETS: Mapping[str, LinkModel] = {
         duplex_factor=1.4,
         host_memory_gbps=327.68,
     ),
-    # H100 on PCIe 5.0: about 55 GB/s each way alone (an nvbandwidth host_to_device_memcpy_ce run at 55.63 GB/s;
-    # 52.77 GB/s device-to-host with SM copies on an 8x H100 node, NVIDIA/nvbandwidth#24). No public pair of
-    # bidirectional H100 figures was found: duplex_factor assumed PCIe 4's measured 1.4 (the one PCIe 5 report,
-    # 51 GB/s host-to-device under device-to-host traffic in #53, gives no figure for the other direction).
-    "pcie5-achievable": LinkModel(
-        h2d_gbps=55.0,
-        d2h_gbps=55.0,
-        device_gbps=3350.0,
-        device_tflops=989.0,
-        duplex_factor=1.4,
-        host_memory_gbps=450.56,
-    ),
+    "pcie5-achievable": _PCIE5_ACHIEVABLE,  # see above
     # The same H100 with its network card behind its PCIe switch, as in an 8-GPU Hopper node (one ConnectX-7 a GPU,
     # GPUDirect RDMA through the switch that links the GPU to the host): with one rank a node, FSDP's collectives
     # cross the GPU's PCIe link beside the swap's copies. 400 Gb/s InfiniBand NDR: 50 GB/s each way (wire rate).
-    "pcie5-achievable-nic": LinkModel(
-        h2d_gbps=55.0,
-        d2h_gbps=55.0,
-        device_gbps=3350.0,
-        device_tflops=989.0,
-        duplex_factor=1.4,
-        host_memory_gbps=450.56,
-        network_gbps=50.0,
-    ),
+    "pcie5-achievable-nic": dataclasses.replace(_PCIE5_ACHIEVABLE, network_gbps=50.0),
     # Ascend 910B: no public pinned-copy measurement was found; assumed the A100's on the same PCIe 4.0 x16.
     "ascend-910b-achievable": LinkModel(
         h2d_gbps=25.5, d2h_gbps=25.5, device_gbps=1200.0, device_tflops=280.0, duplex_factor=1.4
