@@ -443,3 +443,50 @@ def test_a_deep_copy_with_master_weights_steps_and_switches_as_the_original() ->
     train(reference, optimizer, params, range(2, 4))
     twin_reference.assert_matches(twin, twin_params, "the twin after its own switches and steps")
     reference.assert_matches(optimizer, params, "the original after 4 steps")
+
+
+class RaisesOnOneShape(torch.optim.SGD):
+    """SGD with momentum whose step raises on the (30, 30) parameter (fp16: stepped as its fp32 master) while ``fail``
+    is set: a check only a later batch trips, after the batches before it created their momentum buffers."""
+
+    fail = True
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, lr=0.05, momentum=0.9)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                if self.fail and tuple(param.shape) == (30, 30):
+                    raise ValueError(f"a parameter of shape {tuple(param.shape)}")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("undo", [False, True], ids=["first_step_undo", "undo_failed_steps"])
+@pytest.mark.parametrize("retry", ["at_once", "after_del_state"])
+def test_a_failed_first_step_is_undone_and_a_retry_steps_bitwise_as_the_plain_optimizer_over_masters(
+    retry: str, undo: bool
+) -> None:
+    """Issue 44, item 7: the first step fails in a later batch and is undone (the masters stay in the state, the
+    states the earlier batches created go); the retry, at once or after ``del optimizer.state[p]`` as the error
+    said, steps as the plain optimizer over fp32 masters. Before: every retry was refused ("lacks
+    'momentum_buffer'"): the state check asked the adapter about a state holding only its master."""
+    params = make_params()
+    optimizer = swapped(params, RaisesOnOneShape, SimBackend(mode="random", seed=3), undo_failed_steps=undo)
+    before = [param.detach().clone() for param in params]
+    set_same_grads(0, params)
+    with pytest.raises(ValueError, match=r"a parameter of shape \(30, 30\)"):
+        optimizer.step()
+    for index, (expected, param) in enumerate(zip(before, params, strict=True)):
+        assert_bitwise_equal(expected, param, f"parameter {index} after the failed step")
+        assert "momentum_buffer" not in optimizer.state.get(param, {}), f"parameter {index}'s state"
+    if retry == "after_del_state":
+        for param in params:
+            optimizer.state.pop(param, None)
+    optimizer.optimizer.fail = False  # type: ignore[attr-defined]
+    reference = MasterReference(make_params(), RaisesOnOneShape)
+    reference.optimizer.fail = False  # type: ignore[attr-defined]
+    for step in range(3):
+        train(reference, optimizer, params, range(step, step + 1))
+        reference.assert_matches(optimizer, params, f"step {step} after the failed first step")

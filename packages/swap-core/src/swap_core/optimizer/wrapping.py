@@ -252,7 +252,8 @@ def check_states(
     masters: Masters,
     masters_to_make: bool = False,
 ) -> None:
-    """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use.
+    """Raise ``error`` naming the first parameter whose non-empty state the adapter's update cannot use (a state
+    holding only its master is empty to the adapter: never asked about, the update creates the rest).
 
     ``params`` are ``(group index, parameter)``. ``masters_to_make``: a state without a master is to get one (made
     before wrapping), so only the adapter is asked about it.
@@ -262,6 +263,8 @@ def check_states(
         if not state:
             continue
         problem, state = masters.state_problem(param, state, to_make=masters_to_make)
+        if problem is None and not state:  # its master alone: the update creates the rest, as for an empty state
+            continue
         if problem is None:
             updated = masters.as_updated(param)
             problem = adapter.state_mismatch(updated, optimizer.param_groups[group_index], state)
