@@ -28,7 +28,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.master_weights import masters_presented, model_param
 from swap_core.torch_compat import step_hooks_silenced
 
-from .probe import probe_step
+from .probe import ProbeVerdict, probe_step
 from .third_party import outside_step_methods, third_party_refusal
 from .torch_compat import unhooked_step
 
@@ -73,7 +73,11 @@ class GenericAdapter(StateSwapAdapter):
         refusal = third_party_refusal(optimizer)
         if refusal is not None:
             raise UnsupportedOptimizerError(f"{type(optimizer).__name__} cannot be swapped: {refusal}")
-        self.created_keys, self._param_shaped_keys = _probed_state_keys(optimizer)
+        self.created_keys, verdict = _probed_state_keys(optimizer)
+        self._param_shaped_keys = verdict.param_shaped_keys
+        self._later_keys: set[str] = set(verdict.later_keys)
+        """Keys the step adds to a state, or removes from it, after the step that created it (seen by the probe or
+        in a step since): a state may lack them or hold them."""
         # Schedule-free's train()/eval() move the parameters between its sequences: run through the SwapOptimizer.
         self.outside_step_methods = outside_step_methods(optimizer)
         self._step = unhooked_step(optimizer)
@@ -137,20 +141,34 @@ class GenericAdapter(StateSwapAdapter):
             return
         # States the step is about to create (its first step): none in the usual case, told by one C-level pass.
         fresh = [] if all(batch.states) else self._fresh(batch)
+        keys_before = sum(map(len, batch.states))  # a key added to a state later (an SWA average) changes it
         if batch.model_params is None:
             self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
-            if not fresh:
+            if not fresh and sum(map(len, batch.states)) == keys_before:
                 return
             created = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
         else:
             with masters_presented(self.optimizer, batch):
                 self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
                 created = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
+        if sum(map(len, batch.states)) != keys_before + sum(len(state) for _, state in created):
+            self._follow_later_keys(batch, {id(owner) for _, owner in fresh})
         for owner, state in created:
             signature = _signature(self.optimizer, state)
             self._warn_about_subclass_states(state)
             if signature:  # an optimizer may keep no state for a parameter (plain SGD)
                 self._signatures[owner] = signature
+
+    def _follow_later_keys(self, batch: UpdateBatch, fresh: set[int]) -> None:
+        """The step added keys to (or removed keys from) states it had created before: those keys become ones a
+        state may hold or lack, and each such state's signature is its keys now."""
+        owners = batch.params if batch.model_params is None else batch.model_params
+        for owner, state in zip(owners, batch.states, strict=True):
+            signature: StateSignature | None = self._signatures.get(owner)  # type: ignore[no-untyped-call]
+            if id(owner) in fresh or signature is None or signature.keys() == state.keys():
+                continue
+            self._later_keys.update(signature.keys() ^ state.keys())
+            self._signatures[owner] = _signature(self.optimizer, state)
 
     @staticmethod
     def _fresh(batch: UpdateBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,7 +194,8 @@ class GenericAdapter(StateSwapAdapter):
                 return
 
     def state_mismatch(self, param: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
-        """Compared with the state ``param`` had when wrapped, or the one the optimizer's step created for it.
+        """Compared with the state ``param`` had when wrapped, or the one the optimizer's step created for it; a key
+        the step adds or removes after it created a state (:attr:`_later_keys`) may be there or not.
 
         Unknown (``None``) for a parameter that had none and was never stepped: a checkpoint loaded
         into a fresh optimizer is then taken as it is, as torch's load takes it.
@@ -184,9 +203,17 @@ class GenericAdapter(StateSwapAdapter):
         signature: StateSignature | None = self._signatures.get(model_param(param))  # type: ignore[no-untyped-call]
         if signature is None:
             return None
+        later = self._later_keys
+        expected = {
+            key: None if created is None else created[0]
+            for key, created in signature.items()
+            if key in state or key not in later
+        }
+        for key in later.intersection(state).difference(expected):  # added later, not yet to this parameter's state
+            expected[key] = tuple(param.shape) if key in self._param_shaped_keys else None
         return compare_state(
             state,
-            {key: None if expected is None else expected[0] for key, expected in signature.items()},
+            expected,
             unknown=f"which {type(self.optimizer).__name__} did not create",
             wrong_shape="the optimizer created it with shape",
         )
@@ -202,10 +229,10 @@ class GenericAdapter(StateSwapAdapter):
         values.after_batch(batch_index)
 
 
-def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str] | None, frozenset[str]]:
+def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str] | None, ProbeVerdict]:
     """Refuse, before anything changes, an optimizer whose step the probe finds (or the class declares) not
     per-parameter, or whose states it keeps in Python objects; else the state keys the probe saw it create (``None``
-    where the probe could not step a declared optimizer), and those of them shaped like their parameter."""
+    where the probe could not step a declared optimizer), and the probe's verdict."""
     name = type(optimizer).__name__
     declared = getattr(optimizer, DECLARATION, None)
     if declared is False:
@@ -238,7 +265,7 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str]
             "(swap_core.register_adapter)"
         )
     if declared is True:
-        return verdict.state_keys or None, verdict.param_shaped_keys
+        return verdict.state_keys or None, verdict
     if verdict.coupled is not None:
         raise UnsupportedOptimizerError(
             f"{name}'s step is not per-parameter: {verdict.coupled}. swap-generic runs the step batch by batch, "
@@ -251,7 +278,7 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str]
             f"batch by batch, which is right only for such a step: if it is one, declare it ({name}.{DECLARATION} = "
             "True, on the class or the instance); if not, it needs a dedicated adapter (swap_core.register_adapter)"
         )
-    return verdict.state_keys, verdict.param_shaped_keys
+    return verdict.state_keys, verdict
 
 
 def _is_plain_or_dtensor(tensor: torch.Tensor) -> bool:

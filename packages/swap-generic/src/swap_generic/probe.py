@@ -91,6 +91,10 @@ class ProbeVerdict:
     param_shaped_keys: frozenset[str] = frozenset()
     """Those of :attr:`state_keys` whose state was, for every stand-in, a tensor of its shape and dtype: what a
     parameter's first step creates in the parameter's own shape (other keys, a factored moment, have other sizes)."""
+    later_keys: frozenset[str] = frozenset()
+    """Keys the step added to a stand-in's state, or removed from it, after the step that created the state (an
+    SWA-style average begun at the second step): a parameter's state may lack them, or hold them, as the optimizer
+    goes."""
 
 
 GradientOf = Callable[[int, int, tuple[int, ...], torch.Generator], torch.Tensor]
@@ -129,6 +133,7 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
             delegates=f"its step delegates to another optimizer ({type(inner.optimizer).__name__} at {inner.path})"
         )
     keys: set[str] = set()
+    later: set[str] = set()
     shaped: set[str] | None = None
     sandbox = Sandbox(optimizer)
     for index, group in enumerate(optimizer.param_groups):
@@ -154,8 +159,11 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
                 if isinstance(outcome, str):
                     return ProbeVerdict(coupled=f"{outcome} (param group {index}, {_named(name, with_graph)})")
                 keys |= outcome.keys
+                later |= outcome.later
                 shaped = outcome.param_shaped if shaped is None else shaped & outcome.param_shaped
-    return ProbeVerdict(state_keys=frozenset(keys), param_shaped_keys=frozenset(shaped or ()))
+    return ProbeVerdict(
+        state_keys=frozenset(keys), param_shaped_keys=frozenset(shaped or ()), later_keys=frozenset(later)
+    )
 
 
 def _named(name: str, with_graph: bool) -> str:
@@ -183,6 +191,7 @@ class _Container:
 class _Keys:
     keys: set[str]
     param_shaped: set[str]
+    later: set[str]
 
 
 def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -225,7 +234,7 @@ def _compare(
         container = together.container_state()
         if container is not None:
             return _Container(container)
-        return _Keys(together.state_keys(), together.param_shaped_keys())
+        return _Keys(together.state_keys(), together.param_shaped_keys(), together.later_keys())
     assert failed is not None
     return failed
 
@@ -241,16 +250,20 @@ class _Outcome:
     groups: list[dict[str, Any]]
     failure: str | None
     """The type and message of an exception a step raised (both runs must fail alike)."""
+    first_keys: list[set[str]] = dataclasses.field(default_factory=list)
+    """The keys of each stand-in's state after the first step (empty when it did not finish)."""
 
     @classmethod
-    def left_by(cls, twin: torch.optim.Optimizer, standins: list[torch.Tensor], failure: str | None) -> _Outcome:
-        """What ``twin`` holds over ``standins`` now (its param groups without their params)."""
+    def left_by(cls, twin: torch.optim.Optimizer, steps: _ProbeSteps, failure: str | None) -> _Outcome:
+        """What ``twin`` holds over the stand-ins of ``steps`` now (its param groups without their params)."""
+        standins = steps.standins
         return cls(
             params=[standin.detach() for standin in standins],
             states=[dict(twin.state.get(standin, {})) for standin in standins],
             others={repr(key): value for key, value in twin.state.items() if not any(key is s for s in standins)},
             groups=[{key: value for key, value in group.items() if key != "params"} for group in twin.param_groups],
             failure=failure,
+            first_keys=steps.first_keys,
         )
 
     def difference(self, other: _Outcome) -> str | None:
@@ -295,6 +308,13 @@ class _Outcome:
 
     def state_keys(self) -> set[str]:
         return {key for state in self.states for key in state}
+
+    def later_keys(self) -> set[str]:
+        """Keys a stand-in's state gained or lost after its first step (none known when the first step failed)."""
+        if len(self.first_keys) != len(self.states):
+            return set()
+        pairs = zip(self.first_keys, self.states, strict=True)
+        return {key for first, state in pairs if first for key in first ^ set(state)}
 
     def param_shaped_keys(self) -> set[str]:
         """Keys whose state is a tensor of its stand-in's shape and dtype, for every stand-in."""
@@ -348,8 +368,8 @@ def _stepped(
         except BaseException as error:  # SystemExit too: code run on planted inputs cannot end the program
             if not apart and steps.taken == 0:
                 return _Unknown(f"its step failed on stand-in parameters: {type(error).__name__}: {error}")
-            return _Outcome.left_by(twin, standins, f"{type(error).__name__}: {error}")
-    return _Outcome.left_by(twin, standins, None)
+            return _Outcome.left_by(twin, steps, f"{type(error).__name__}: {error}")
+    return _Outcome.left_by(twin, steps, None)
 
 
 @dataclasses.dataclass
@@ -364,6 +384,8 @@ class _ProbeSteps:
     with_graph: bool
     taken: int = 0
     """How many steps finished (the step that raised is the next)."""
+    first_keys: list[set[str]] = dataclasses.field(default_factory=list)
+    """The keys of each stand-in's state after the first step."""
 
     def run(self, twin: torch.optim.Optimizer) -> None:
         step = unhooked_step(twin)
@@ -384,6 +406,8 @@ class _ProbeSteps:
                 else:
                     step()
                 self.taken += 1
+                if step_index == 0:
+                    self.first_keys = [set(twin.state.get(standin, {})) for standin in self.standins]
 
 
 def _in_train_mode(twin: torch.optim.Optimizer) -> None:
