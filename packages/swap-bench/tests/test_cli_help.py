@@ -14,6 +14,12 @@ from swap_bench.cli import main
 
 WITHOUT_A_SHOWN_DEFAULT = {
     "": {"--quick": "switch", "--system-allocator": "switch"},
+    "fit": {
+        "--host-memory": "the host memory is not checked",
+        "--fp32": "switch",
+        "--activation-checkpointing": "switch",
+        "--no-iterations": "switch",
+    },
     "plan": {
         "--device-memory": "no recommendation of a batch count",
         "--master-weights": "switch",

@@ -11,12 +11,15 @@ import argparse
 import os
 from pathlib import Path
 
+from .models import MODELS, ModelShape
+
 __all__ = [
     "HelpFormatter",
     "byte_size",
     "command_parser",
     "count",
     "fraction",
+    "model_argument",
     "output_file",
     "positive_count",
     "staging_count",
@@ -126,3 +129,16 @@ def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
         prog=prog, formatter_class=HelpFormatter, description=description, allow_abbrev=False
     )
+
+
+def model_argument(name: str, parser: argparse.ArgumentParser) -> ModelShape:
+    """``--model NAME``: a preset of :data:`~swap_bench.models.MODELS`, or a Llama-style Hugging Face config.json
+    (the parser exits naming the value otherwise)."""
+    if name in MODELS:
+        return MODELS[name]
+    if Path(name).is_file():
+        try:
+            return ModelShape.from_config_json(name)
+        except ValueError as error:
+            parser.error(str(error))
+    parser.error(f"--model {name!r} is neither a preset ({', '.join(MODELS)}) nor a config.json file")

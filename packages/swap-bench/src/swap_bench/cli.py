@@ -20,6 +20,7 @@ from .arguments import command_parser, count, output_file, positive_count
 from .bench_backend import bench_backend, refuse_a_missing_accelerator
 from .comparisons import BASELINES, ComparisonConfig, plan_comparisons
 from .device_perf import device_perf_main, device_perf_parser
+from .fit_cli import fit_main, fit_parser
 from .host_allocator import keep_freed_host_memory
 from .link import measure_link
 from .measure import RowConfig, measure_comparison, measure_row
@@ -143,6 +144,7 @@ SMOKE_RUN = (
 
 COMMANDS = """commands:
   swap-bench [options]              measure swapped against plain steps on this machine (below)
+  swap-bench fit [options]          will a job fit, and how much slower: a verdict on one screen (llama-70b...)
   swap-bench plan [options]         model one rank of a real model (llama-70b...) on a link: bytes exact, time modeled
   swap-bench narrowing [options]    the host time of swap-generic's narrowed step per batch
   swap-bench device-perf [options]  a bf16 decoder's training iterations, plain, swapped and CPU-offloaded, and the
@@ -151,10 +153,13 @@ each takes --help"""
 
 
 def parse_command(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
-    """The command ``swap-bench ARGV`` runs (``"measure"``, ``"plan"``, ``"narrowing"`` or ``"device-perf"``) and its
-    options, read as it would read them, without running anything: a documented command line can be checked this way.
-    A bad option exits as the command would (``SystemExit`` with status 2, the usage on stderr)."""
+    """The command ``swap-bench ARGV`` runs (``"measure"``, ``"fit"``, ``"plan"``, ``"narrowing"`` or
+    ``"device-perf"``) and its options, read as it would read them, without running anything: a documented command
+    line can be checked this way. A bad option exits as the command would (``SystemExit`` with status 2, the usage on
+    stderr)."""
     arguments = list(argv)
+    if arguments[:1] == ["fit"]:
+        return "fit", fit_parser().parse_args(arguments[1:])
     if arguments[:1] == ["plan"]:
         return "plan", plan_parser().parse_args(arguments[1:])
     if arguments[:1] == ["narrowing"]:
@@ -167,11 +172,14 @@ def parse_command(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report.
 
-    ``swap-bench plan ...`` runs the planner instead (:func:`~swap_bench.planner.plan_main`), ``swap-bench
+    ``swap-bench fit ...`` judges one job (:func:`~swap_bench.fit_cli.fit_main`), ``swap-bench plan ...`` runs the
+    planner instead (:func:`~swap_bench.planner.plan_main`), ``swap-bench
     narrowing ...`` the narrowed-step measurement (:func:`~swap_bench.narrowing.narrowing_main`), ``swap-bench
     device-perf ...`` training iterations on a device (:func:`~swap_bench.device_perf.device_perf_main`).
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["fit"]:
+        return fit_main(arguments[1:])
     if arguments[:1] == ["plan"]:
         return plan_main(arguments[1:])
     if arguments[:1] == ["narrowing"]:

@@ -32,7 +32,16 @@ from rich.progress import Progress
 from swap_core.errors import AdapterNotFoundError, DeviceMemoryError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
-from .arguments import byte_size, command_parser, count, fraction, output_file, positive_count, staging_count
+from .arguments import (
+    byte_size,
+    command_parser,
+    count,
+    fraction,
+    model_argument,
+    output_file,
+    positive_count,
+    staging_count,
+)
 from .iteration import IterationModel, IterationRow, model_iteration
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
@@ -184,7 +193,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench plan`` command: model the rows, print the table, write the JSON report."""
     parser = plan_parser()
     args = parser.parse_args(argv)
-    models = [_model(name, parser) for name in args.model]
+    models = [model_argument(name, parser) for name in args.model]
     for world in args.world:
         if not args.rank < world:
             parser.error(f"--rank must be in [0, {world}) for --world {world}, got {args.rank}")
@@ -404,14 +413,3 @@ def markdown_table(rows: Sequence[ModeledRow]) -> str:
             f"| {100 * row.link_utilization:.0f}% |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _model(name: str, parser: argparse.ArgumentParser) -> ModelShape:
-    if name in MODELS:
-        return MODELS[name]
-    if Path(name).is_file():
-        try:
-            return ModelShape.from_config_json(name)
-        except ValueError as error:
-            parser.error(str(error))
-    parser.error(f"--model {name!r} is neither a preset ({', '.join(MODELS)}) nor a config.json file")

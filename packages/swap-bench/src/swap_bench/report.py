@@ -247,7 +247,7 @@ def render_iteration_table(rows: Sequence[IterationRow], console: Console) -> No
 
 def readable_bytes(count: int) -> str:
     """``count`` bytes in the decimal unit that keeps 3 significant digits (``12.3 MB``, ``51.9 GB``)."""
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if count >= size:
             return f"{count / size:.3g} {unit}"
     return f"{count} B"
