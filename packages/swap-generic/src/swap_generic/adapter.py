@@ -28,6 +28,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.master_weights import masters_presented, model_param
 from swap_core.torch_compat import step_hooks_silenced
 
+from .group_recheck import group_switch, snapshot
 from .probe import ProbeVerdict, probe_step
 from .third_party import outside_step_methods, third_party_refusal
 from .torch_compat import unhooked_step
@@ -78,6 +79,8 @@ class GenericAdapter(StateSwapAdapter):
         self._later_keys: set[str] = set(verdict.later_keys)
         """Keys the step adds to a state, or removes from it, after the step that created it (seen by the probe or
         in a step since): a state may lack them or hold them."""
+        self._probed_groups = snapshot(optimizer.param_groups)
+        """The group values last probed or stepped: a switch since is probed again (:mod:`.group_recheck`)."""
         # Schedule-free's train()/eval() move the parameters between its sequences: run through the SwapOptimizer.
         self.outside_step_methods = outside_step_methods(optimizer)
         self._step = unhooked_step(optimizer)
@@ -113,7 +116,9 @@ class GenericAdapter(StateSwapAdapter):
         If no batch ran the optimizer (no parameter has a gradient), its step runs once over empty
         groups, as a plain step over parameters without gradients would (it may still write group
         values, e.g. a step count). If the step fails, every group value is put back as the step found it.
+        A group option switched, or a group added, since the last step is probed first (:meth:`_recheck_groups`).
         """
+        self._recheck_groups()
         values = self._group_values = GroupValues(self.optimizer)
         self._narrowed = NarrowedGroups(self.optimizer)
         self._stepped = False
@@ -122,12 +127,32 @@ class GenericAdapter(StateSwapAdapter):
                 yield
                 if not self._stepped:
                     self._narrowed_step(None, [], batch_index=0)
+            self._probed_groups = snapshot(self.optimizer.param_groups)  # what the step wrote was probed with it
         except BaseException:
             values.put_back_start()  # a step that failed part-way leaves the group values it found
             raise
         finally:
             self._group_values = None
             self._narrowed = None
+
+    def _recheck_groups(self) -> None:
+        """Probe the optimizer again, before any batch, when a group option switched or a group was added since the
+        last probe or step; refuse, naming the switch and the probe's reason, when the step is no longer
+        per-parameter (the optimizer is left as it is: nothing of it is stepped)."""
+        switch = group_switch(self._probed_groups, self.optimizer.param_groups)
+        if switch is None:
+            return
+        name = type(self.optimizer).__name__
+        try:
+            _, verdict = _probed_state_keys(self.optimizer)
+        except UnsupportedOptimizerError as refusal:
+            raise UnsupportedOptimizerError(
+                f"{name} cannot step swapped with its param groups as they are now: {switch} since it was probed, "
+                f"and probed again: {refusal}. Nothing was updated; set the value back (or remove the group) to go "
+                "on swapping, or step this optimizer unswapped"
+            ) from None
+        self._later_keys.update(verdict.later_keys)
+        self._probed_groups = snapshot(self.optimizer.param_groups)
 
     def update(self, batch: UpdateBatch) -> None:
         """The optimizer's own step over this group's share of the batch (every other group empty).
