@@ -44,7 +44,7 @@ from .comparisons import plan_comparisons
 from .device_facts import device_facts
 from .models import MODELS, ModelShape
 from .perf_rows import PerfSettings, TrainingPlan
-from .report import SCHEMA, readable_bytes, readable_seconds, save_json
+from .report import SCHEMA, print_skipped, readable_bytes, readable_seconds, save_json
 from .workloads import Workload
 
 __all__ = [
@@ -460,8 +460,7 @@ def render_device_perf(report: DevicePerfReport, console: Console) -> None:
         verdict = {True: "[green]met[/]", False: "[yellow]missed[/]", None: "not measured"}[goal["met"]]
         value = "" if goal["value"] is None else f" ({goal['value']:.3f} {goal['unit']})"
         console.print(f"goal: {goal['goal']}: {verdict}{value}")
-    for skipped in report.skipped:
-        console.print(f"[yellow]skipped[/] {skipped['row']}: {skipped['reason']}")
+    print_skipped(report.skipped, console)
     for failed in report.failed:
         console.print(f"[red]failed[/] {failed['row']}: {failed['reason']}")
 

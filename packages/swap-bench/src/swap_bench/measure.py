@@ -74,9 +74,11 @@ class RowResult:
     """Copy floor over ``added_s``; ``None`` when swapping added nothing (copies hidden, or noise)."""
     copies_alone_s: float
     """Median time of the step's own copies without the optimizer (same sizes and order), timed between steps."""
-    overhead_per_batch_s: float
+    overhead_per_batch_s: float | None
     """``(added_s - copies_alone_s) / batches``: what swapping adds per batch beyond its copies (host work of the
-    runtime and the adapter, e.g. swap-generic's narrowed step); negative within noise."""
+    runtime and the adapter, e.g. swap-generic's narrowed step); ``None`` where swapping added less than its copies
+    take alone, because the step hid them under its updates (a large workload) or the two medians are within noise:
+    no overhead beyond the copies can be told apart then."""
     ideal_step_s: float
     ideal_percent: float
     peak_state_device_bytes_swapped: int
@@ -128,7 +130,7 @@ def measure_row(
         copy_floor_s=floor_s,
         copy_floor_efficiency=floor_s / added_s if added_s > 0 else None,
         copies_alone_s=copies_alone_s,
-        overhead_per_batch_s=(added_s - copies_alone_s) / max(stats.batches, 1),
+        overhead_per_batch_s=(added_s - copies_alone_s) / max(stats.batches, 1) if added_s >= copies_alone_s else None,
         ideal_step_s=ideal_s,
         ideal_percent=100.0 * ideal_s / swapped_s,
         peak_state_device_bytes_swapped=stats.peak_state_device_bytes,

@@ -37,7 +37,7 @@ from swap_core import UpdateBatch
 from swap_core.errors import AdapterNotFoundError, UnsupportedOptimizerError
 
 from .arguments import command_parser, output_file, positive_count
-from .report import SCHEMA, machine_facts, save_json
+from .report import SCHEMA, machine_facts, print_skipped, save_json
 from .workloads import OPTIMIZERS, OptimizerSpec
 
 __all__ = [
@@ -262,8 +262,7 @@ def narrowing_main(argv: Sequence[str] | None = None) -> int:
                 skipped.append({"row": f"narrowing {name}", "reason": str(error).splitlines()[0]})
             progress.advance(task)
     console.print(_table(rows, config))
-    for row in skipped:
-        console.print(f"[yellow]skipped[/] {row['row']}: {row['reason']}")
+    print_skipped(skipped, console)
     document: dict[str, Any] = {
         "schema": SCHEMA,
         "kind": "narrowing",

@@ -45,7 +45,14 @@ from .arguments import (
 from .iteration import IterationModel, IterationRow, model_iteration
 from .modeled import ModeledRow, StepModel, model_step
 from .models import MODELS, ModelShape, fsdp_shard_shape
-from .report import SCHEMA, machine_facts, render_iteration_table, render_modeled_table, save_json
+from .report import (
+    SCHEMA,
+    machine_facts,
+    print_skipped,
+    render_iteration_table,
+    render_modeled_table,
+    save_json,
+)
 from .workloads import OPTIMIZERS
 
 __all__ = [
@@ -216,8 +223,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if args.tokens:
         iterations, not_modeled = plan_iterations(models, args, console)
         render_iteration_table(iterations, console)
-        for row in not_modeled:
-            console.print(f"[yellow]skipped[/] {row['row']}: {row['reason']}")
+        print_skipped(not_modeled, console)
         document["iteration_rows"] = [row.as_dict() for row in iterations]
         document["skipped"] += not_modeled
     if args.markdown is not None:
@@ -372,8 +378,7 @@ def _plan_report(
 ) -> dict[str, Any]:
     """Print the table, what was skipped and each recommendation; the JSON report of the rows."""
     render_modeled_table(rows, console, title=f"swap-bench plan: rank {rank} of an FSDP2 shard, cold step")
-    for row in skipped:
-        console.print(f"[yellow]skipped[/] {row['row']}: {row['reason']}")
+    print_skipped(skipped, console)
     for chosen in rows:
         if chosen.swap_times == "auto" and chosen.device_memory is not None:
             console.print(

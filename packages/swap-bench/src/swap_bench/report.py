@@ -22,6 +22,7 @@ __all__ = [
     "SCHEMA",
     "BenchReport",
     "machine_facts",
+    "print_skipped",
     "render_iteration_table",
     "render_modeled_table",
     "render_table",
@@ -131,8 +132,18 @@ def render_table(report: BenchReport, console: Console) -> None:
         render_modeled_table(
             report.modeled, console, title=f"the same rows modeled on the virtual clock ({report.modeled[0].link})"
         )
-    for skipped in report.skipped:
-        console.print(f"[yellow]skipped[/] {skipped['row']}: {skipped['reason']}")
+    print_skipped(report.skipped, console)
+
+
+def print_skipped(skipped: Sequence[dict[str, str]], console: Console) -> None:
+    """The skipped rows, one line for each reason: ``skipped ROW: REASON``, or ``skipped N rows (A, B, ...):
+    REASON`` where several share it."""
+    by_reason: dict[str, list[str]] = {}
+    for row in skipped:
+        by_reason.setdefault(row["reason"], []).append(row["row"])
+    for reason, rows in by_reason.items():
+        which = rows[0] if len(rows) == 1 else f"{len(rows)} rows ({', '.join(rows)})"
+        console.print(f"[yellow]skipped[/] {which}: {reason}")
 
 
 def _cells(row: RowResult) -> Sequence[str]:
@@ -150,7 +161,7 @@ def _cells(row: RowResult) -> Sequence[str]:
         f"{row.h2d_copies}+{row.d2h_copies}",
         f"{row.achieved_gbps:.2f}",
         f"{row.ideal_percent:.0f}",
-        f"{row.overhead_per_batch_s * 1e6:.1f}",
+        "hidden" if row.overhead_per_batch_s is None else f"{row.overhead_per_batch_s * 1e6:.1f}",
         f"{row.peak_state_device_bytes_swapped / 2**20:.1f}/{row.peak_state_device_bytes_unswapped / 2**20:.1f}",
     )
 
