@@ -161,3 +161,26 @@ def test_inside_the_backward_the_switch_is_refused_by_the_backward_before_any_ba
     swapped.zero_grad()
     train_step()
     assert swapped.stats.batches_in_backward == swapped.stats.batches == 2
+
+
+def test_a_re_probe_shares_the_hooks_swap_installed_and_copies_no_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twins of a re-probe share the state-dict hooks and method redirects a SwapOptimizer installed on the
+    wrapped optimizer (they hold the adapter, its host memory and the parameters), and find no parameter in them."""
+    from swap_generic import GenericAdapter
+
+    params = _params()
+    swapped = swap_optimizer(
+        ClipsWhenAsked(params), SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=8)
+    )
+    _step([(params, swapped)], range(1))
+
+    copies: list[int] = []
+
+    def counted_copy(adapter: GenericAdapter, memo: dict[int, Any]) -> GenericAdapter:
+        copies.append(1)  # (a raise here would be swallowed: the sandbox shares what it cannot copy)
+        return adapter
+
+    monkeypatch.setattr(GenericAdapter, "__deepcopy__", counted_copy, raising=False)
+    swapped.param_groups[0]["lr"] = 0.0  # a truth switch: probed again, accepted
+    _step([(params, swapped)], range(1, 2))
+    assert copies == []

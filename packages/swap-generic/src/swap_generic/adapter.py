@@ -266,6 +266,15 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str]
             "by batch, which would update it wrongly; it needs a dedicated adapter (swap_core.register_adapter)"
         )
     verdict = probe_step(optimizer)
+    _refuse_whatever_declared(name, verdict)
+    if declared is True:
+        return verdict.state_keys or None, verdict
+    _refuse_undeclared(name, verdict)
+    return verdict.state_keys, verdict
+
+
+def _refuse_whatever_declared(name: str, verdict: ProbeVerdict) -> None:
+    """The probe's refusals that no declaration settles."""
     if verdict.delegates is not None:
         raise UnsupportedOptimizerError(
             f"{name} cannot be swapped: {verdict.delegates}. swap-generic runs {name}'s own step once per batch with "
@@ -289,8 +298,20 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str]
             "the gradients' graph frees it in the first batch). It needs a dedicated adapter "
             "(swap_core.register_adapter)"
         )
-    if declared is True:
-        return verdict.state_keys or None, verdict
+
+
+def _refuse_undeclared(name: str, verdict: ProbeVerdict) -> None:
+    """The probe's refusals that the declaration ``swap_per_parameter = True`` settles."""
+    if verdict.holds_parameter is not None:
+        raise UnsupportedOptimizerError(
+            f"{name} cannot be swapped: {verdict.holds_parameter}, where the probe's stand-in parameters cannot take "
+            "its place, so a step that reads another parameter through it (pairing LoRA's A and B by identity) was "
+            "not checked; run batch by batch, or inside the backward as each batch's gradients become final, it "
+            "would read its partner's gradient, value or state out of torch's order. Pair such parameters by their "
+            "position in a param group (the probe checks that), or write a dedicated adapter "
+            f"(swap_core.register_adapter); if the step never reads another parameter through it, declare "
+            f"{name}.{DECLARATION} = True"
+        )
     if verdict.coupled is not None:
         raise UnsupportedOptimizerError(
             f"{name}'s step is not per-parameter: {verdict.coupled}. swap-generic runs the step batch by batch, "
@@ -303,7 +324,6 @@ def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str]
             f"batch by batch, which is right only for such a step: if it is one, declare it ({name}.{DECLARATION} = "
             "True, on the class or the instance); if not, it needs a dedicated adapter (swap_core.register_adapter)"
         )
-    return verdict.state_keys, verdict
 
 
 def _is_plain_or_dtensor(tensor: torch.Tensor) -> bool:

@@ -44,7 +44,7 @@ from swap_core.adapters import GroupValues, NarrowedGroups, same_value
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
-from .delegation import inner_optimizer
+from .delegation import held_parameter, inner_optimizer
 from .sandbox import Sandbox
 from .third_party import outside_step_methods
 from .torch_compat import unhooked_step
@@ -86,6 +86,10 @@ class ProbeVerdict:
     """Why the step is another optimizer's (an inner optimizer reachable from the optimizer's attributes, named by
     its path), found before any twin is made: such an optimizer is never stepped, and refused whatever it declares;
     or ``None``."""
+    holds_parameter: str | None = None
+    """Where the optimizer holds one of its own parameters outside its param groups (a dict pairing LoRA's A and B
+    by identity), which the stand-ins cannot take the place of: a step that reads a partner through it was not
+    checked. Refused unless the optimizer declares itself; or ``None``."""
     state_keys: frozenset[str] = frozenset()
     """The keys of the stand-ins' states: what the optimizer creates for a parameter (when the twins stepped)."""
     param_shaped_keys: frozenset[str] = frozenset()
@@ -162,8 +166,19 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
                 later |= outcome.later
                 shaped = outcome.param_shaped if shaped is None else shaped & outcome.param_shaped
     return ProbeVerdict(
-        state_keys=frozenset(keys), param_shaped_keys=frozenset(shaped or ()), later_keys=frozenset(later)
+        holds_parameter=_held(optimizer),
+        state_keys=frozenset(keys),
+        param_shaped_keys=frozenset(shaped or ()),
+        later_keys=frozenset(later),
     )
+
+
+def _held(optimizer: torch.optim.Optimizer) -> str | None:
+    held = held_parameter(optimizer)
+    if held is None:
+        return None
+    where = f"parameter {held.position} of param group {held.group_index}, shape {held.shape}"
+    return f"it holds one of its parameters outside its param groups ({where}, at {held.path})"
 
 
 def _named(name: str, with_graph: bool) -> str:

@@ -13,7 +13,9 @@ one ``copy.deepcopy`` memo that maps:
   copied, and nothing the twin runs can write to it.
 
 Every other value is deep-copied. An attribute or group value that cannot be (it holds a lock, a process group) is
-shared whole, as locks and process groups are no values a step advances. What a sandbox cannot reach: class
+shared whole, as locks and process groups are no values a step advances; so are the hooks and method redirects a
+``SwapOptimizer`` installed on the optimizer it wraps (a re-probe after wrapping: a twin runs no hook, and copying
+them would copy the adapter and its host memory). What a sandbox cannot reach: class
 attributes, globals, and the cells of closures (a function is copied as itself).
 """
 
@@ -26,6 +28,8 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+
+from .delegation import swap_machinery
 
 __all__ = ["Sandbox"]
 
@@ -72,6 +76,7 @@ class Sandbox:
             if isinstance(state, dict):
                 originals.update((id(value), value) for value in state.values() if isinstance(value, torch.Tensor))
         self._originals = originals
+        self._shared = {id(value): value for value in _installed_by_swap(optimizer)}
 
     def twin(self, index: int, standins: list[torch.Tensor], *, constructed: bool) -> torch.optim.Optimizer | None:
         """A twin over ``standins`` in group ``index`` (every other group empty): a deep copy of the optimizer with
@@ -79,6 +84,7 @@ class Sandbox:
         defaults, for a class whose constructor makes states (Adagrad's ``sum``). ``None`` when that cannot be
         built."""
         memo = _PlaceholderMemo(self._originals)
+        memo.update(self._shared)  # deepcopy takes what the memo maps an object to: these stay themselves
         if constructed:
             return self._constructed(self._groups(index, standins, memo), memo)
         optimizer = self.optimizer
@@ -128,6 +134,19 @@ class Sandbox:
             raise
         except BaseException:  # a constructor that cannot take stand-ins: the probe says it could not tell
             return None
+
+
+def _installed_by_swap(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The hooks (in torch's hook dicts) and method redirects a ``SwapOptimizer`` installed on ``optimizer``."""
+    found: list[Any] = []
+    for name, value in vars(optimizer).items():
+        if name in _OWN_ATTRIBUTES:
+            continue
+        if swap_machinery(value):
+            found.append(value)
+        elif name.startswith("_optimizer_") and name.endswith("_hooks") and isinstance(value, dict):
+            found.extend(hook for hook in value.values() if swap_machinery(hook))
+    return found
 
 
 def _deep_copy(value: Any, memo: dict[int, Any]) -> Any:
