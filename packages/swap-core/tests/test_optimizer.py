@@ -600,3 +600,27 @@ def test_cpu_parameters_with_the_auto_backend_say_that_nothing_is_swapped() -> N
         warnings.simplefilter("error")
         swap_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.randn(64, 64))], lr=0.1), backend="sim")
         swap_optimizer(torch.optim.SGD([{"params": []}], lr=0.1))  # no parameter yet: nothing to say
+
+
+def test_fewer_swapped_parameters_than_swap_times_warn_once_why_the_batches_are_fewer() -> None:
+    """A batch holds whole parameters: 2 swapped weights cannot split into 4 batches. The step runs 2 and says so,
+    once; the small biases' states (under min_numel) stay on the device and do not count."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    optimizer = swap_optimizer(torch.optim.RMSprop(model.parameters()), SwapConfig(backend=SimBackend(), swap_times=4))
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    with pytest.warns(UserWarning, match=r"swap_times=4\) asked for 4 batches, but only 2 parameters") as record:
+        optimizer.step()
+    assert "min_numel=1024" in str(record[0].message) and optimizer.stats.batches == 2
+    assert record[0].filename == __file__, "the warning points at the user's line"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()  # once: the same plan warns no more
+    split = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    optimizer = swap_optimizer(torch.optim.RMSprop(split.parameters()), SwapConfig(backend=SimBackend(), swap_times=4))
+    for param in split.parameters():
+        param.grad = torch.ones_like(param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+    assert optimizer.stats.batches == 4

@@ -25,28 +25,17 @@ from typing import Any, Literal
 
 import torch
 
-from swap_core import SwapConfig
 from swap_core.errors import DeviceMemoryError
 
 from .iteration import IterationModel, IterationRow, model_iteration
 from .modeled import ModeledRow
 from .models import ModelShape, fsdp_shard_shape
-from .planner import plan_model, recommend
+from .planner import DEFAULT_SWAP_TIMES, plan_model, recommend
 from .workloads import OPTIMIZERS
 
-__all__ = ["DeviceBytes", "Job", "Verdict", "activation_bytes", "device_bytes", "judge"]
+__all__ = ["DEFAULT_SWAP_TIMES", "DeviceBytes", "Job", "Verdict", "activation_bytes", "device_bytes", "judge"]
 
 StepPlace = Literal["after_backward", "in_backward"]
-
-
-def _default_swap_times() -> int:
-    default = SwapConfig().swap_times
-    assert isinstance(default, int), "SwapConfig's default swap_times is a count"
-    return default
-
-
-DEFAULT_SWAP_TIMES = _default_swap_times()
-"""The batch count a plain ``SwapConfig()`` asks for, tried first."""
 
 
 @dataclasses.dataclass(frozen=True)

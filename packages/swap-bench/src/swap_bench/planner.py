@@ -29,6 +29,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from swap_core import SwapConfig
 from swap_core.errors import AdapterNotFoundError, DeviceMemoryError, UnsupportedOptimizerError
 from swap_core.sim import LINK_PRESETS
 
@@ -56,6 +57,7 @@ from .report import (
 from .workloads import OPTIMIZERS
 
 __all__ = [
+    "DEFAULT_SWAP_TIMES",
     "PLAN_OPTIMIZERS",
     "markdown_table",
     "plan_combinations",
@@ -64,6 +66,17 @@ __all__ = [
     "plan_parser",
     "recommend",
 ]
+
+
+def _default_swap_times() -> int:
+    default = SwapConfig().swap_times
+    assert isinstance(default, int), "SwapConfig's default swap_times is a count"
+    return default
+
+
+DEFAULT_SWAP_TIMES = _default_swap_times()
+"""The batch count a plain ``SwapConfig()`` asks for: the planner's default, and what ``swap-bench fit`` tries
+first."""
 
 PLAN_OPTIMIZERS = ("adamw", "rmsprop", "sgd", "adagrad", "nadam", "muon")
 """Optimizers the planner models (``muon``: its 2-D parameters, distributed Muon from ``world`` 2 on, which
@@ -322,7 +335,13 @@ def plan_parser() -> argparse.ArgumentParser:
 def _add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     """``--swap-times``, ``--staging-buffers`` and ``--device-memory``: the pipeline's batches, given or recommended
     for the device memory left to the swap."""
-    parser.add_argument("--swap-times", nargs="+", type=positive_count, default=[4], help="pipeline batches per step")
+    parser.add_argument(
+        "--swap-times",
+        nargs="+",
+        type=positive_count,
+        default=[DEFAULT_SWAP_TIMES],
+        help="pipeline batches per step (SwapConfig's default)",
+    )
     parser.add_argument(
         "--staging-buffers",
         nargs="+",

@@ -27,8 +27,10 @@ class FixedBatchCount:
     available: int | None = None
     """Not measured: ``None``."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, min_numel: int) -> None:
         self.count = count
+        self.min_numel = min_numel
+        self._warned: tuple[int, int] | None = None
 
     @property
     def replans_after_out_of_memory(self) -> bool:
@@ -39,7 +41,19 @@ class FixedBatchCount:
         return self.count
 
     def log(self, plan: SwapPlan) -> None:
-        """Nothing: the count is the user's."""
+        """Warn once, for each plan that splits into fewer batches than asked, why: a batch holds whole parameters."""
+        got = sum(1 for batch in plan.batches if batch.slots)  # batches that move states (none: nothing swapped)
+        if not 0 < got < self.count or self._warned == (self.count, got):
+            return
+        self._warned = (self.count, got)
+        warn_user(
+            f"SwapConfig(swap_times={self.count}) asked for {self.count} batches, but only {got} parameters have "
+            f"swapped states and a batch holds whole parameters: each step runs {got} batches, so the device holds "
+            f"a larger share of the state at its peak than {self.count} would give. The states of tensors under "
+            f"min_numel={self.min_numel} elements stay on the device; with more (or smaller) swapped parameters "
+            "the batches split as asked",
+            UserWarning,
+        )
 
     def retry_after(
         self, error: torch.OutOfMemoryError, *, updates_begun: int, retried: bool, last: SwapPlan | None
@@ -166,4 +180,4 @@ def batch_count(config: SwapConfig, backend: DeviceBackend) -> BatchCount:
     """The batch count ``config.swap_times`` asks for."""
     if config.swap_times == "auto":
         return AutoBatchCount(config, backend)
-    return FixedBatchCount(config.swap_times)
+    return FixedBatchCount(config.swap_times, config.min_numel)
