@@ -152,40 +152,34 @@ COMMANDS = """commands:
 each takes --help"""
 
 
+SUBCOMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], Callable[[Sequence[str]], int]]] = {
+    "fit": (fit_parser, fit_main),  # will one job fit (swap_bench.fit_cli)
+    "plan": (plan_parser, plan_main),  # the planner's tables (swap_bench.planner)
+    "narrowing": (narrowing_parser, narrowing_main),  # swap-generic's narrowed step (swap_bench.narrowing)
+    "device-perf": (device_perf_parser, device_perf_main),  # training iterations on a device (swap_bench.device_perf)
+}
+"""``swap-bench NAME ...``: each subcommand's parser and its main."""
+
+
 def parse_command(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
     """The command ``swap-bench ARGV`` runs (``"measure"``, ``"fit"``, ``"plan"``, ``"narrowing"`` or
     ``"device-perf"``) and its options, read as it would read them, without running anything: a documented command
     line can be checked this way. A bad option exits as the command would (``SystemExit`` with status 2, the usage on
     stderr)."""
     arguments = list(argv)
-    if arguments[:1] == ["fit"]:
-        return "fit", fit_parser().parse_args(arguments[1:])
-    if arguments[:1] == ["plan"]:
-        return "plan", plan_parser().parse_args(arguments[1:])
-    if arguments[:1] == ["narrowing"]:
-        return "narrowing", narrowing_parser().parse_args(arguments[1:])
-    if arguments[:1] == ["device-perf"]:
-        return "device-perf", device_perf_parser().parse_args(arguments[1:])
+    if arguments[:1] and arguments[0] in SUBCOMMANDS:
+        parser, _ = SUBCOMMANDS[arguments[0]]
+        return arguments[0], parser().parse_args(arguments[1:])
     return "measure", _measure_parser().parse_args(arguments)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report.
-
-    ``swap-bench fit ...`` judges one job (:func:`~swap_bench.fit_cli.fit_main`), ``swap-bench plan ...`` runs the
-    planner instead (:func:`~swap_bench.planner.plan_main`), ``swap-bench
-    narrowing ...`` the narrowed-step measurement (:func:`~swap_bench.narrowing.narrowing_main`), ``swap-bench
-    device-perf ...`` training iterations on a device (:func:`~swap_bench.device_perf.device_perf_main`).
-    """
+    """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report; or run the
+    subcommand ``argv`` names (:data:`SUBCOMMANDS`)."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments[:1] == ["fit"]:
-        return fit_main(arguments[1:])
-    if arguments[:1] == ["plan"]:
-        return plan_main(arguments[1:])
-    if arguments[:1] == ["narrowing"]:
-        return narrowing_main(arguments[1:])
-    if arguments[:1] == ["device-perf"]:
-        return device_perf_main(arguments[1:])
+    if arguments[:1] and arguments[0] in SUBCOMMANDS:
+        _, run = SUBCOMMANDS[arguments[0]]
+        return run(arguments[1:])
     parser = _measure_parser()
     args = parser.parse_args(arguments)
     refuse_a_missing_accelerator(parser, args.backend)

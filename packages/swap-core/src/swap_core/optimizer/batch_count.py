@@ -168,7 +168,7 @@ class AutoBatchCount:
             f"swap_times='auto': the device ran out of memory again with {self.floor} batches ({staging}, "
             f"{self.backend.available_device_bytes()} bytes available now): {error}. Nothing was updated. Free "
             "device memory, lower device_memory_fraction (more margin for the rest of the step), keep fewer states "
-            "on the device (offload_fraction=1.0, a larger min_numel), or set swap_times to a larger number"
+            "on the device (offload_fraction=1.0, a smaller min_numel), or set swap_times to a larger number"
         )
 
 

@@ -52,7 +52,7 @@ def fewest_batches_that_fit(
                 f"swap_times='auto': even {most} batches (one parameter each) need {staging_of(most)} bytes of "
                 f"staging on the device, over the {budget} bytes allowed ({fraction} of the {available} bytes "
                 "available). Free device memory, raise device_memory_fraction, keep fewer states on the device "
-                f"(offload_fraction=1.0, a larger min_numel), {fewer}or use more devices"
+                f"(offload_fraction=1.0, a smaller min_numel), {fewer}or use more devices"
             )
         low, high = high, min(2 * high, most)
         if staging_of(high) <= budget:
