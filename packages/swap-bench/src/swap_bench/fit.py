@@ -135,16 +135,18 @@ class Verdict:
 def activation_bytes(model: ModelShape, tokens: int, *, checkpointing: bool) -> int:
     """An estimate of the activations one rank keeps for its backward, bf16, with a fused (flash) attention.
 
-    Each decoder layer keeps, a token: its two norms' inputs, the normalized inputs of its projections (attention
-    and MLP), the rotated queries, keys and values and the attention's output as the fused attention saves them, that
-    output made contiguous for the output projection, and the MLP's gate, up, activated gate and product: ``7 h + 2
-    kv + 4 i`` elements (``h`` hidden, ``kv`` the keys' width, ``i`` the MLP's). With activation checkpointing a
-    layer keeps its input (``h``) and one layer at a time recomputes all of it. The head keeps its norm's input and
-    its projection's (``2 h``) and fp32 logits and log-probabilities for the loss (``8 V`` bytes, ``V`` the
-    vocabulary).
+    Each decoder layer keeps, a token, what torch's autograd saves for it (counted in a test on a Llama-style layer
+    built of torch's ``rms_norm``, ``scaled_dot_product_attention`` and a SwiGLU MLP): each of its two norms its
+    input and its normalized output in fp32 (``8 h`` bf16 elements together) and the bf16 input of the projections
+    after it (``2 h``); the fused attention its rotated queries and keys, values and output (``2 h + 2 kv``; the
+    output projection reads that output in place); the MLP its gate, up, activated gate and product (``4 i``):
+    ``12 h + 2 kv + 4 i`` elements (``h`` hidden, ``kv`` the keys' width, ``i`` the MLP's), small per-token
+    scalars left out. With activation checkpointing a layer keeps its input (``h``) and one layer at a time
+    recomputes all of it. The head keeps its norm's input and its projection's (``2 h``) and fp32 logits and
+    log-probabilities for the loss (``8 V`` bytes, ``V`` the vocabulary).
     """
     kv = model.num_key_value_heads * (model.hidden_size // model.num_attention_heads)
-    layer = 7 * model.hidden_size + 2 * kv + 4 * model.intermediate_size
+    layer = 12 * model.hidden_size + 2 * kv + 4 * model.intermediate_size
     # Checkpointed, each layer keeps its input and one at a time recomputes everything.
     kept = model.hidden_size if checkpointing else layer
     layers = model.num_hidden_layers * kept + (layer if checkpointing else 0)

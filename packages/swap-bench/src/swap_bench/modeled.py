@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,6 +31,9 @@ from .fake_world import fake_world
 from .measure import optimizer_state_bytes
 from .models import fsdp_shard_shape
 from .workloads import OptimizerSpec
+
+FEWER_BATCHES_WARNING = r"SwapConfig\(swap_times=\d+\) asked for \d+ batches, but only"
+"""The start of swap-core's warning that a step runs fewer batches than asked (see ``batch_count.py``)."""
 
 __all__ = ["ModeledRow", "StepModel", "model_step"]
 
@@ -217,9 +221,12 @@ def _steady_swapped_step(
         offload_fraction=offload_fraction,
     )
     swapped = swap_optimizer(model.optimizer.build(params, **model.optimizer_options), config)
-    swapped.step()  # creates the states and offloads them
-    backend.synchronize()  # the measured step starts with the device idle
-    swapped.step()
+    with warnings.catch_warnings():
+        # A count above the swapped parameters runs fewer batches: the row's `batches` says how many.
+        warnings.filterwarnings("ignore", FEWER_BATCHES_WARNING, UserWarning)
+        swapped.step()  # creates the states and offloads them
+        backend.synchronize()  # the measured step starts with the device idle
+        swapped.step()
     return swapped
 
 
