@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from swap_core import SwapConfig, swap_optimizer
+from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
+from swap_core.adapters.rmsprop import RMSpropAdapter
+from swap_core.errors import UnsupportedOptimizerError
 from swap_core.runtime import pipeline
 from swap_core.runtime.plan import RESIDENT_BATCH_INDEX, SwapPlan
 from swap_core.sim import LinkModel, SimBackend
@@ -182,3 +184,42 @@ def test_the_trace_shows_the_resident_update_during_the_first_copy_in() -> None:
     assert resident.end <= first_update.start, "the residents update before batch 0"
     assert resident.start < copy_in.end, "while batch 0 is copied in"
     assert not sim.races, sim.races
+
+
+class _InParameterOrder(RMSpropAdapter):
+    """RMSprop's adapter saying its updates must run in torch's parameter order (as one whose update draws does)."""
+
+    needs_parameter_order = "its update draws random numbers"
+
+
+def test_an_adapter_needing_torchs_order_gets_no_resident_batch_first() -> None:
+    sim = SimBackend(mode="random", seed=1)
+    plain_params, params = _params(), _params()
+    plain = _rmsprop(plain_params)
+    swapped = SwapOptimizer(_rmsprop(params), SwapConfig(backend=sim, swap_times=3, min_numel=100), _InParameterOrder)
+    for step in range(3):
+        _grads(step, plain_params, params)
+        plain.step()
+        swapped.step()
+    for index, (expected, actual) in enumerate(zip(plain_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+    assert planned_resident_params(swapped) == ()
+    in_batches = [id(param) for batch in planned_batches(swapped) for param in batch.params]
+    assert in_batches == [id(param) for param in params], "every parameter in its place, batches first to last"
+    assert not sim.races, sim.races
+
+
+@pytest.mark.parametrize(
+    ("options", "mode"),
+    [({"prefetch": "backward"}, r"prefetch='backward'"), ({"step": "in_backward"}, r"step='in_backward'")],
+    ids=["prefetch_backward", "step_in_backward"],
+)
+def test_a_walk_last_parameters_first_is_refused_for_it(options: dict[str, str], mode: str) -> None:
+    params = _params()
+    optimizer = _rmsprop(params)
+    config = SwapConfig(backend=SimBackend(), swap_times=3, min_numel=100, **options)  # type: ignore[arg-type]
+    message = rf"RMSprop cannot be swapped with SwapConfig\({mode}\): its update draws random numbers; {mode} .*"
+    with pytest.raises(UnsupportedOptimizerError, match=message + r"Nothing was changed"):
+        SwapOptimizer(optimizer, config, _InParameterOrder)
+    assert optimizer.state_dict()["state"] == {}, "nothing was stepped"
+    assert SwapOptimizer(optimizer, SwapConfig(backend=SimBackend(), swap_times=3, min_numel=100), _InParameterOrder)

@@ -76,6 +76,7 @@ class GenericAdapter(StateSwapAdapter):
             raise UnsupportedOptimizerError(f"{type(optimizer).__name__} cannot be swapped: {refusal}")
         self.created_keys, verdict = _probed_state_keys(optimizer)
         self._param_shaped_keys = verdict.param_shaped_keys
+        self.needs_parameter_order = _order_needed(verdict)
         self._later_keys: set[str] = set(verdict.later_keys)
         """Keys the step adds to a state, or removes from it, after the step that created it (seen by the probe or
         in a step since): a state may lack them or hold them."""
@@ -151,6 +152,16 @@ class GenericAdapter(StateSwapAdapter):
                 f"and probed again: {refusal}. Nothing was updated; set the value back (or remove the group) to go "
                 "on swapping, or step this optimizer unswapped"
             ) from None
+        drawn = _order_needed(verdict)
+        if drawn is not None and self.needs_parameter_order is None:
+            raise UnsupportedOptimizerError(
+                f"{name} cannot step swapped with its param groups as they are now: {switch} since it was probed, "
+                f"and probed again {drawn}. It was wrapped without such draws, so its swapped step updates the "
+                "parameters whose states stay on the device first (and, with prefetch='backward' or "
+                "step='in_backward', the last parameters first): the draws would land on other parameters than "
+                "torch's. Nothing was updated; set the value back to go on swapping, or wrap the optimizer with the "
+                "value set (its batches then follow torch's order, after the backward)"
+            )
         self._later_keys.update(verdict.later_keys)
         self._probed_groups = snapshot(self.optimizer.param_groups)
 
@@ -252,6 +263,17 @@ class GenericAdapter(StateSwapAdapter):
         narrowed.run(self._step, target, params)
         self._stepped = True
         values.after_batch(batch_index)
+
+
+def _order_needed(verdict: ProbeVerdict) -> str | None:
+    """Why the batches must update in torch's parameter order (:attr:`StateSwapAdapter.needs_parameter_order`): the
+    step draws random numbers, which land on the parameter torch's step gives them only in that order."""
+    if verdict.draws_random is None:
+        return None
+    return (
+        f"its step draws random numbers from {verdict.draws_random}, and each draw lands on the parameter torch's "
+        "step gives it only when the parameters update in torch's order"
+    )
 
 
 def _probed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[frozenset[str] | None, ProbeVerdict]:

@@ -27,7 +27,14 @@ import torch
 
 from swap_core.adapters.base import StateSwapAdapter
 
-__all__ = ["HeldParameter", "InnerOptimizer", "held_parameter", "inner_optimizer", "swap_machinery"]
+__all__ = [
+    "HeldParameter",
+    "InnerOptimizer",
+    "held_parameter",
+    "inner_optimizer",
+    "reachable_generators",
+    "swap_machinery",
+]
 
 _MAX_DEPTH = 8
 """How deep the search follows references from an attribute (a composite rarely nests deeper than two or three)."""
@@ -85,9 +92,21 @@ def held_parameter(optimizer: torch.optim.Optimizer) -> HeldParameter | None:
     return HeldParameter(path, *places[id(param)], tuple(param.shape))
 
 
+def reachable_generators(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Generator]]:
+    """Every ``torch.Generator`` reachable from ``optimizer``'s attributes (``param_groups`` and ``state`` aside),
+    with its path: a generator of its own that its step may draw from."""
+    return [(path, value) for path, value in _reachable(optimizer) if isinstance(value, torch.Generator)]
+
+
 def _first_reachable(optimizer: torch.optim.Optimizer, wanted: Callable[[Any], bool]) -> tuple[str, Any] | None:
     """The first value other than ``optimizer`` reachable from its attributes (``param_groups`` and ``state`` aside)
     that is ``wanted``, with its path, breadth first; or ``None``."""
+    return next(((path, value) for path, value in _reachable(optimizer) if wanted(value)), None)
+
+
+def _reachable(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, Any]]:
+    """The values other than ``optimizer`` reachable from its attributes (``param_groups`` and ``state`` aside), each
+    with its path, breadth first (swap's own machinery skipped)."""
     seen = {id(optimizer)}
     pending: deque[tuple[str, Any, int]] = deque(
         (f"{type(optimizer).__name__}.{name}", value, 0)
@@ -101,11 +120,9 @@ def _first_reachable(optimizer: torch.optim.Optimizer, wanted: Callable[[Any], b
         seen.add(id(value))
         if swap_machinery(value):  # a wrapped optimizer's hooks and redirects: swap's, not the optimizer's
             continue
-        if wanted(value):
-            return path, value
+        yield path, value
         if depth < _MAX_DEPTH and not isinstance(value, _NOT_WALKED):
             pending.extend((inner_path, inner, depth + 1) for inner_path, inner in _references(path, value))
-    return None
 
 
 def _references(path: str, value: Any) -> Iterator[tuple[str, Any]]:

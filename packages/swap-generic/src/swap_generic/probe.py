@@ -15,7 +15,8 @@ decision visible:
 And it looks at what the step leaves: a state held in a Python object (a list, a dict, a projector), entries of
 ``optimizer.state`` that belong to no parameter (a step counter), param group values written per call, edits of the
 param groups. Each twin steps under a forked RNG seeded alike, so an optimizer that draws its initial states at random
-is compared with itself, and the caller's RNG is left as it was.
+is compared with itself, and the caller's RNG is left as it was; the generators its steps advanced are named
+(:attr:`ProbeVerdict.draws_random`): swapped, such a step must update the parameters in torch's order.
 
 A step that runs autograd on the gradients (Hessian-vector products: the gradients must carry their graph, as after
 ``loss.backward(create_graph=True)``) fails on plain gradients: the probe then gives the stand-ins gradients with a
@@ -45,6 +46,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
 from .delegation import held_parameter, inner_optimizer
+from .random_draws import DrawWatch
 from .sandbox import Sandbox
 from .third_party import outside_step_methods
 from .torch_compat import unhooked_step
@@ -99,6 +101,10 @@ class ProbeVerdict:
     """Keys the step added to a stand-in's state, or removed from it, after the step that created the state (an
     SWA-style average begun at the second step): a parameter's state may lack them, or hold them, as the optimizer
     goes."""
+    draws_random: str | None = None
+    """The generators the step drew random numbers from over the stand-ins (noise added in the step, a state
+    initialised from the RNG), named (:mod:`swap_generic.random_draws`); or ``None``. Each draw lands on the
+    parameter torch's step gives it only when the parameters update in torch's order."""
 
 
 GradientOf = Callable[[int, int, tuple[int, ...], torch.Generator], torch.Tensor]
@@ -138,6 +144,7 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
         )
     keys: set[str] = set()
     later: set[str] = set()
+    draws: dict[str, None] = {}
     shaped: set[str] | None = None
     sandbox = Sandbox(optimizer)
     for index, group in enumerate(optimizer.param_groups):
@@ -164,12 +171,14 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
                     return ProbeVerdict(coupled=f"{outcome} (param group {index}, {_named(name, with_graph)})")
                 keys |= outcome.keys
                 later |= outcome.later
+                draws.update(dict.fromkeys(outcome.draws or ()))
                 shaped = outcome.param_shaped if shaped is None else shaped & outcome.param_shaped
     return ProbeVerdict(
         holds_parameter=_held(optimizer),
         state_keys=frozenset(keys),
         param_shaped_keys=frozenset(shaped or ()),
         later_keys=frozenset(later),
+        draws_random=" and ".join(draws) or None,
     )
 
 
@@ -207,6 +216,8 @@ class _Keys:
     keys: set[str]
     param_shaped: set[str]
     later: set[str]
+    draws: tuple[str, ...] = ()
+    """The generators the twins' steps drew from."""
 
 
 def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -249,7 +260,8 @@ def _compare(
         container = together.container_state()
         if container is not None:
             return _Container(container)
-        return _Keys(together.state_keys(), together.param_shaped_keys(), together.later_keys())
+        drawn = () if together.draws is None else (together.draws,)
+        return _Keys(together.state_keys(), together.param_shaped_keys(), together.later_keys(), drawn)
     assert failed is not None
     return failed
 
@@ -267,10 +279,15 @@ class _Outcome:
     """The type and message of an exception a step raised (both runs must fail alike)."""
     first_keys: list[set[str]] = dataclasses.field(default_factory=list)
     """The keys of each stand-in's state after the first step (empty when it did not finish)."""
+    draws: str | None = None
+    """The generators the twin's steps drew from (:class:`~swap_generic.random_draws.DrawWatch`), or ``None``."""
 
     @classmethod
-    def left_by(cls, twin: torch.optim.Optimizer, steps: _ProbeSteps, failure: str | None) -> _Outcome:
-        """What ``twin`` holds over the stand-ins of ``steps`` now (its param groups without their params)."""
+    def left_by(
+        cls, twin: torch.optim.Optimizer, steps: _ProbeSteps, failure: str | None, watch: DrawWatch
+    ) -> _Outcome:
+        """What ``twin`` holds over the stand-ins of ``steps`` now (its param groups without their params), and the
+        generators ``watch`` saw its steps draw from."""
         standins = steps.standins
         return cls(
             params=[standin.detach() for standin in standins],
@@ -279,6 +296,7 @@ class _Outcome:
             groups=[{key: value for key, value in group.items() if key != "params"} for group in twin.param_groups],
             failure=failure,
             first_keys=steps.first_keys,
+            draws=watch.drawn(),
         )
 
     def difference(self, other: _Outcome) -> str | None:
@@ -372,6 +390,7 @@ def _stepped(
             return _Unknown(
                 f"{type(sandbox.optimizer).__name__}'s constructor could not rebuild it over stand-in parameters"
             )
+        watch = DrawWatch(twin, device)
         try:
             steps.run(twin)
         except UnsupportedOptimizerError as refusal:  # the batch-by-batch runner's own refusal: not per-parameter
@@ -383,8 +402,8 @@ def _stepped(
         except BaseException as error:  # SystemExit too: code run on planted inputs cannot end the program
             if not apart and steps.taken == 0:
                 return _Unknown(f"its step failed on stand-in parameters: {type(error).__name__}: {error}")
-            return _Outcome.left_by(twin, steps, f"{type(error).__name__}: {error}")
-    return _Outcome.left_by(twin, steps, None)
+            return _Outcome.left_by(twin, steps, f"{type(error).__name__}: {error}", watch)
+        return _Outcome.left_by(twin, steps, None, watch)
 
 
 @dataclasses.dataclass

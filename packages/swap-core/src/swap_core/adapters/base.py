@@ -115,6 +115,14 @@ class StateSwapAdapter(abc.ABC):
     (a tensor of the parameter's shape and sharding) in its place (see :attr:`UpdateBatch.model_params`);
     an adapter that names a reason here is refused in that mode, with the reason, before anything changes."""
 
+    needs_parameter_order: str | None = None
+    """Why the updates must run in torch's parameter order (an update that draws random numbers: each draw lands on
+    the parameter torch's step gives it only in that order), or ``None`` when any order gives the same numbers (a
+    class attribute, or set by ``__init__`` for the wrapped optimizer it was given). Where it names a reason, the
+    batches are walked first to last with the parameters whose states stay on the device in their place (no
+    resident batch first), and the modes whose walk cannot follow that order (``prefetch="backward"``,
+    ``step="in_backward"``: the last parameters first) are refused at wrap time, naming the reason."""
+
     reproduces: ClassVar[tuple[type[torch.optim.Optimizer], ...]] = ()
     """torch classes whose update :meth:`update` reproduces with torch's functional kernel. An optimizer
     whose class overrides one of :attr:`reproduced_methods` of them would be silently bypassed: the

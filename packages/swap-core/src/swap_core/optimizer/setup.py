@@ -8,8 +8,8 @@ objects, never the config's flags:
 - the **update** of a batch: the adapter's, or the adapter's over fp32 masters (``master_weights``);
 - how missing states are **created**: before the step by the adapter, or by the optimizer's own update;
 - how many **batches** a plan gets: ``swap_times``, or ``"auto"``'s fewest that fit, with its one retry;
-- the **plan's shape**: the resident batch first or not, the walk's order, the staging buffers and whether the
-  staging is kept between steps;
+- the **plan's shape**: the resident batch first or not (not for an adapter whose updates must run in torch's
+  parameter order), the walk's order, the staging buffers and whether the staging is kept between steps;
 - the **host memory** of the swapped states (packed or per tensor, exact or caching, which keys and sizes);
 - whether each step **records** its timeline, keeps what undoing it needs, prefetches from the backward, and (inside
   the backward) frees the gradients a batch used.
@@ -29,6 +29,7 @@ import torch
 from ..adapters.base import StateSwapAdapter
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
+from ..errors import UnsupportedOptimizerError
 from ..master_weights.policy import BatchUpdate, Masters
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.store import StoreOptions
@@ -112,13 +113,7 @@ def decide_setup(
         update=masters.update(adapter),
         creation=state_creation(adapter, masters),
         batch_count=batch_count(config, backend),
-        plan_shape=PlanShape(
-            resident_first=driver.updates_resident_first,
-            reverse=driver.walks_last_batch_first or config.prefetch == "backward",
-            staging_buffers=config.staging_buffers,
-            max_batch_bytes=config.max_batch_bytes,
-            keep_staging=config.keep_staging,
-        ),
+        plan_shape=_plan_shape(optimizer, adapter, config, driver),
         store_options=StoreOptions(
             swap_keys=swap_keys(optimizer, adapter, config, masters),
             min_numel=config.min_numel,
@@ -133,6 +128,35 @@ def decide_setup(
         prefetch_from_backward=config.prefetch == "backward",
         free_gradients=config.free_gradients,
         provisional_updates=provisional,
+    )
+
+
+def _plan_shape(
+    optimizer: torch.optim.Optimizer, adapter: StateSwapAdapter, config: SwapConfig, driver: WalkOrder
+) -> PlanShape:
+    """How the plans of ``optimizer`` are laid out. An adapter whose updates must run in torch's parameter order
+    (:attr:`~swap_core.adapters.StateSwapAdapter.needs_parameter_order`) gets no resident batch first, and a walk
+    that would go the last parameters first is refused, before anything changes."""
+    in_order = adapter.needs_parameter_order
+    reverse = driver.walks_last_batch_first or config.prefetch == "backward"
+    if in_order is not None and reverse:
+        if driver.walks_last_batch_first:
+            mode = f"step={config.step!r}"
+            walk = "updates each batch as its gradients become final, the last parameters first"
+        else:
+            mode = "prefetch='backward'"
+            walk = "walks the batches in the order a backward finalizes gradients, the last parameters first"
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__} cannot be swapped with SwapConfig({mode}): {in_order}; {mode} {walk}. "
+            "Nothing was changed. Swap it with SwapConfig(step='after_backward', prefetch='off') (an explicit "
+            "opt.prefetch() before step() still starts batch 0's copy-in early), or step it unswapped"
+        )
+    return PlanShape(
+        resident_first=driver.updates_resident_first and in_order is None,
+        reverse=reverse,
+        staging_buffers=config.staging_buffers,
+        max_batch_bytes=config.max_batch_bytes,
+        keep_staging=config.keep_staging,
     )
 
 
