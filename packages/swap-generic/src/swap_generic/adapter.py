@@ -262,7 +262,7 @@ class GenericAdapter(StateSwapAdapter):
         values.before_batch()
         narrowed.run(self._step, target, params)
         self._stepped = True
-        values.after_batch(batch_index)
+        values.after_batch(batch_index, held=target)
 
 
 def _order_needed(verdict: ProbeVerdict) -> str | None:
@@ -306,7 +306,7 @@ def _refuse_whatever_declared(name: str, verdict: ProbeVerdict) -> None:
             "loop, or write a dedicated adapter (swap_core.register_adapter)"
         )
     if verdict.container is not None:
-        raise UnsupportedOptimizerError(f"{name} cannot be swapped: {verdict.container}. Write a dedicated adapter")
+        raise UnsupportedOptimizerError(f"{name} cannot be swapped: {verdict.container}")
     if verdict.no_step is not None:
         raise UnsupportedOptimizerError(
             f"{name} cannot be swapped: {verdict.no_step}. It is driven outside step() (e.g. by a fused backward "
@@ -316,8 +316,7 @@ def _refuse_whatever_declared(name: str, verdict: ProbeVerdict) -> None:
     if verdict.fails_apart is not None:  # no declaration makes a later batch not raise: it would half-step the model
         raise UnsupportedOptimizerError(
             f"{name}'s step cannot run batch by batch: {verdict.fails_apart}. swap-generic runs the step once per "
-            "batch, so a later batch would fail after earlier ones were updated (a step that runs autograd through "
-            "the gradients' graph frees it in the first batch). It needs a dedicated adapter "
+            "batch, so a later batch would fail after earlier ones were updated. It needs a dedicated adapter "
             "(swap_core.register_adapter)"
         )
 

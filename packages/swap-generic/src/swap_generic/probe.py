@@ -157,18 +157,8 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
                     retried = _compare(sandbox, index, like, gradient_of, with_graph=True)
                     if not isinstance(retried, _Unknown):
                         outcome, with_graph = retried, True
-                if isinstance(outcome, _Unknown) and outcome.not_implemented:
-                    return ProbeVerdict(no_step=outcome.reason)
-                if isinstance(outcome, _Unknown):
-                    return ProbeVerdict(unknown=outcome.reason)
-                if isinstance(outcome, _Container):
-                    return ProbeVerdict(container=outcome.reason)
-                if isinstance(outcome, _FailsApart):
-                    return ProbeVerdict(
-                        fails_apart=f"{outcome.reason} (param group {index}, {_named(name, with_graph)})"
-                    )
-                if isinstance(outcome, str):
-                    return ProbeVerdict(coupled=f"{outcome} (param group {index}, {_named(name, with_graph)})")
+                if not isinstance(outcome, _Keys):
+                    return _refusal(outcome, group, index, like, _named(name, with_graph), with_graph=with_graph)
                 keys |= outcome.keys
                 later |= outcome.later
                 draws.update(dict.fromkeys(outcome.draws or ()))
@@ -180,6 +170,43 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
         later_keys=frozenset(later),
         draws_random=" and ".join(draws) or None,
     )
+
+
+def _refusal(
+    outcome: _Unknown | _Container | _FailsApart | _FirstParameterState | str,
+    group: dict[str, Any],
+    index: int,
+    like: torch.Tensor,
+    inputs: str,
+    *,
+    with_graph: bool,
+) -> ProbeVerdict:
+    """The verdict of an ``outcome`` that refuses, naming what blocked: the key, the param group and the parameter
+    (``like``, the one whose layout the stand-ins took), or the inputs that showed it; autograd only where the
+    gradients carried a graph."""
+    if isinstance(outcome, _Unknown):
+        return ProbeVerdict(no_step=outcome.reason) if outcome.not_implemented else ProbeVerdict(unknown=outcome.reason)
+    if isinstance(outcome, _FirstParameterState):
+        first = group["params"][0]
+        return ProbeVerdict(
+            coupled=f"it keeps {outcome.key!r} only in the state of its group's first parameter (param group {index}'s "
+            f"parameter 0, shape {tuple(first.shape)}), where the step reads it for every parameter of the group "
+            "(stepped together, only the first stand-in's state held it): run batch by batch, the first parameter of "
+            f"each batch would keep a counter of its own. Keep it in the param group (group[{outcome.key!r}]) or in "
+            "every parameter's state"
+        )
+    if isinstance(outcome, _Container):
+        position = next(position for position, param in enumerate(group["params"]) if param is like)
+        return ProbeVerdict(
+            container=f"{outcome.reason} (param group {index}'s parameter {position}, shape {tuple(like.shape)}, "
+            f"and every parameter of {like.dim()} dimensions in it): {outcome.fix}"
+        )
+    if isinstance(outcome, _FailsApart):
+        cause = " (a step that runs autograd through the gradients' graph frees it in the first batch)"
+        return ProbeVerdict(
+            fails_apart=f"{outcome.reason} (param group {index}, {inputs}){cause if with_graph else ''}"
+        )
+    return ProbeVerdict(coupled=f"{outcome} (param group {index}, {inputs})")
 
 
 def _held(optimizer: torch.optim.Optimizer) -> str | None:
@@ -209,6 +236,13 @@ class _FailsApart:
 @dataclasses.dataclass(frozen=True)
 class _Container:
     reason: str
+    fix: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _FirstParameterState:
+    key: str
+    """A key only the first stand-in's state holds stepped together, and a later one's too stepped alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +265,7 @@ def _distinct_layouts(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _compare(
     sandbox: Sandbox, index: int, like: torch.Tensor, gradient_of: GradientOf, *, with_graph: bool
-) -> _Unknown | _Container | _FailsApart | str | _Keys:
+) -> _Unknown | _Container | _FailsApart | _FirstParameterState | str | _Keys:
     """Stepped together and apart: their difference (``str``), that the step fails apart only, that they could not
     be stepped, a state held in a Python object, or (all alike) the state keys.
 
@@ -250,6 +284,9 @@ def _compare(
         apart = twins(apart=True)
         if isinstance(apart, _Unknown):
             return f"stepping the stand-ins one at a time failed where stepping them together did not ({apart.reason})"
+        first_only = together.first_parameter_keys(apart)
+        if first_only:
+            return _FirstParameterState(first_only[0])
         if apart.failure is not None and together.failure is None:
             return _FailsApart(
                 f"stepping the stand-ins one at a time failed where stepping them together did not ({apart.failure})"
@@ -259,7 +296,7 @@ def _compare(
             return f"stepping two stand-in parameters together and one at a time {difference}"
         container = together.container_state()
         if container is not None:
-            return _Container(container)
+            return container
         drawn = () if together.draws is None else (together.draws,)
         return _Keys(together.state_keys(), together.param_shaped_keys(), together.later_keys(), drawn)
     assert failed is not None
@@ -325,19 +362,42 @@ class _Outcome:
         for index, (group, other_group) in enumerate(zip(self.groups, other.groups, strict=True)):
             for key in sorted(set(group) | set(other_group), key=str):
                 if not same_value(group.get(key), other_group.get(key)):
-                    written = f"{group.get(key)!r} against {other_group.get(key)!r}"
-                    return f"wrote param group {index}'s {key!r} differently ({written})"
-        return None
-
-    def container_state(self) -> str | None:
-        for state in self.states:
-            for key, value in state.items():
-                if not isinstance(value, (torch.Tensor, *_PLAIN_VALUES)):
+                    whole, alone = group.get(key), other_group.get(key)
                     return (
-                        f"it keeps state {key!r} as a {type(value).__name__}: swap-generic moves tensor states and "
-                        "keeps numbers, but cannot tell where the tensors inside other objects live"
+                        f"wrote param group {index}'s {key!r} differently ({whole!r} against {alone!r}): the step "
+                        f"writes it from the parameters it is given ({whole!r} for two stand-in parameters stepped "
+                        f"together, {alone!r} for each alone), so each batch would write its own share's value where "
+                        "torch's step writes the whole group's"
                     )
         return None
+
+    def container_state(self) -> _Container | None:
+        for state in self.states:
+            for key, value in state.items():
+                if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+                    inner = ", ".join(map(repr, value))
+                    return _Container(
+                        f"it keeps state {key!r} as a dict of tensors ({inner})",
+                        "swap-generic moves the tensors a parameter's state holds as its own keys and keeps numbers; "
+                        "it does not move (nor check) tensors nested in a dict. Keep each as a key of the state "
+                        f"(state[{next(iter(value))!r}]), or write a dedicated adapter",
+                    )
+                if not isinstance(value, (torch.Tensor, *_PLAIN_VALUES)):
+                    return _Container(
+                        f"it keeps state {key!r} as a {type(value).__name__}",
+                        "swap-generic moves tensor states and keeps numbers, but cannot tell where the tensors inside "
+                        "other objects live. Write a dedicated adapter",
+                    )
+        return None
+
+    def first_parameter_keys(self, apart: _Outcome) -> list[str]:
+        """Keys that, stepped together, only the first stand-in's state holds, and that a later stand-in's holds too
+        stepped alone (or whose step then failed): a value of the group kept in its first parameter's state."""
+        if len(self.states) < 2 or len(apart.states) != len(self.states) or self.failure is not None:
+            return []
+        only_first = set(self.states[0]).difference(*self.states[1:])
+        later_apart = [key for state in apart.states[1:] for key in state]
+        return sorted(key for key in only_first if apart.failure is not None or key in later_apart)
 
     def state_keys(self) -> set[str]:
         return {key for state in self.states for key in state}
@@ -489,7 +549,7 @@ def _step_one_at_a_time(
     for batch, standin in enumerate(standins):
         values.before_batch()
         narrowed.run(step, target, [standin])
-        values.after_batch(batch)
+        values.after_batch(batch, held=target)
 
 
 @contextlib.contextmanager
