@@ -8,8 +8,9 @@ through the device in batches while it updates, so the step's own device peak is
 
 This example trains the same model with plain AdamW (offloaded and reloaded around each rollout, as a framework
 would) and with AdamW swapped, on swap's simulated accelerator, and prints for each: the optimizer's device bytes
-during the rollouts, the bytes moved outside ``step()``, the optimizer's device bytes at the step's peak, and the
-device memory left to the rollout on a device of the given size. The two runs' parameters are compared bitwise.
+during the rollouts, the bytes moved outside ``step()`` and inside it, and the optimizer's device bytes at the step's
+peak. The plain loop's offload and reload are counted, not run (its states are CPU tensors here); the swapped loop's
+bytes are what the simulator and ``opt.stats`` measured. The two runs' parameters are compared bitwise.
 
     python examples/colocated_rl.py                  # 5 rounds
     python examples/colocated_rl.py --rounds 20
