@@ -186,18 +186,14 @@ class AmpScaling:
             unscale_gradients_(grads, found_inf, inv_scale.to(device))
 
 
-def why_not_commit(
-    started: Started, sync: StateSync, amp: AmpScaling | None, *, groups_after: GroupSnapshot | None = None
-) -> list[str]:
+def why_not_commit(started: Started, sync: StateSync, amp: AmpScaling | None) -> list[str]:
     """What changed since the provisional updates of ``started`` read it, one line each (empty: it commits). The
-    param groups are compared with ``groups_after``, as the batches left them (an optimizer's step may write its own
-    groups: those writes are the step's, not an edit), or with what the batches began with when none ran. The
     gradients are compared last, only when nothing else changed: that reads their fingerprints' comparison on the
     host, which waits for the current stream."""
     reasons = []
     if amp is not None:
         reasons.append("GradScaler handed the step its scale: the updates inside the backward used scaled gradients")
-    reasons += (groups_after or started.groups).changes(sync.param_groups)
+    reasons += started.groups.changes(sync.param_groups)
     if sync.has_edits():
         reasons.append("the state or the param groups were edited between backward() and step()")
     if reasons:

@@ -394,8 +394,7 @@ class InBackward(StepDriver):
             edited = started.run.edited_params()
             if edited:
                 raise params_written_refused(edited)
-            groups_after = self._take_back.groups_after if self._take_back is not None else None
-            return why_not_commit(started, self.sync, amp, groups_after=groups_after), amp is not None and amp.skips()
+            return why_not_commit(started, self.sync, amp), amp is not None and amp.skips()
         except BaseException:
             self._now = now
             self.take_back_open_step()
