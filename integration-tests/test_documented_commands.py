@@ -34,7 +34,7 @@ FENCE = re.compile(r"^```(?:bash|shell|sh|console)[^\n]*\n(.*?)^```", re.MULTILI
 LONG_RUNS = {
     "swap-bench": "measures every workload with each optimizer, nine repeats: minutes (nox -s bench runs it)",
     "swap-bench --backend sim --optimizers adamw --workloads many_small few_large": "measures two workloads: minutes",
-    "swap-bench plan --model llama-7b llama-70b --world 8 --link pcie5 pcie5-achievable --ranks-per-node 1 8 "
+    "swap-bench plan --tables --model llama-7b llama-70b --world 8 --link pcie5 pcie5-achievable --ranks-per-node 1 8 "
     "--swap-times 4 --master-weights --json plan.json --markdown plan.md": "models 16 rows of 7B and 70B models",
     "swap-bench narrowing": "times four optimizers over 64 batches, 30 repeats each",
 }

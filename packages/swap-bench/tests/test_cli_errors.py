@@ -27,11 +27,11 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
         (["--warmup", "-1"], "argument --warmup: must be an integer >= 0, got -1"),
         (["--repeats", "two"], "argument --repeats: must be an integer, got 'two'"),
-        (["plan", "--swap-times", "0"], "argument --swap-times: must be an integer >= 1, got 0"),
-        (["plan", "--world", "0"], "argument --world: must be an integer >= 1, got 0"),
-        (["plan", "--ranks-per-node", "0"], "argument --ranks-per-node: must be an integer >= 1, got 0"),
-        (["plan", "--rank", "-1"], "argument --rank: must be an integer >= 0, got -1"),
-        (["plan", "--world", "4", "--rank", "4"], "--rank must be in [0, 4) for --world 4, got 4"),
+        (["plan", "--tables", "--swap-times", "0"], "argument --swap-times: must be an integer >= 1, got 0"),
+        (["plan", "--tables", "--world", "0"], "argument --world: must be an integer >= 1, got 0"),
+        (["plan", "--tables", "--ranks-per-node", "0"], "argument --ranks-per-node: must be an integer >= 1, got 0"),
+        (["plan", "--tables", "--rank", "-1"], "argument --rank: must be an integer >= 0, got -1"),
+        (["plan", "--tables", "--world", "4", "--rank", "4"], "--rank must be in [0, 4) for --world 4, got 4"),
         (["narrowing", "--batches", "0"], "argument --batches: must be an integer >= 1, got 0"),
         (["narrowing", "--threads", "0"], "argument --threads: must be an integer >= 1, got 0"),
         (["device-perf", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
@@ -46,7 +46,9 @@ def test_a_count_that_cannot_be_is_an_error_line(
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["plan"], ["narrowing"], ["device-perf"]], ids=["bench", "plan", "narrowing", "device-perf"]
+    "command",
+    [[], ["plan", "--tables"], ["narrowing"], ["device-perf"]],
+    ids=["bench", "plan-tables", "narrowing", "device-perf"],
 )
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -54,7 +56,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     assert "is a directory" in _error([*command, "--json", str(tmp_path)], capsys)
     missing = tmp_path / "no" / "such" / "folder" / "report.json"
     assert "does not exist; create it first" in _error([*command, "--json", str(missing)], capsys)
-    if command == ["plan"]:
+    if command == ["plan", "--tables"]:
         assert "is a directory" in _error([*command, "--markdown", str(tmp_path)], capsys)
 
 

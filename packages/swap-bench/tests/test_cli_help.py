@@ -14,13 +14,14 @@ from swap_bench.cli import main
 
 WITHOUT_A_SHOWN_DEFAULT = {
     "": {"--quick": "switch", "--system-allocator": "switch"},
-    "fit": {
+    "plan": {
+        "--tables": "switch",
         "--host-memory": "the host memory is not checked",
         "--fp32": "switch",
         "--activation-checkpointing": "switch",
         "--no-iterations": "switch",
     },
-    "plan": {
+    "plan --tables": {
         "--device-memory": "no recommendation of a batch count",
         "--master-weights": "switch",
         "--markdown": "no Markdown table",
@@ -34,7 +35,7 @@ WITHOUT_A_SHOWN_DEFAULT = {
 def _options(command: str, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
     """Each flag of ``command``'s help with its help text."""
     with pytest.raises(SystemExit) as exit_info:
-        main([command, "--help"] if command else ["--help"])
+        main([*command.split(), "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out.split("options:", 1)[1]
     blocks = [block.strip() for block in re.split(r"\n(?=  -)", text) if block.strip()]

@@ -1,4 +1,4 @@
-"""``swap-bench fit``: the verdict on one job, within 100 columns, its bytes checked against the simulator."""
+"""``swap-bench plan``: the verdict on one job, within 100 columns, its bytes checked against the simulator."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ TINY = ModelShape("tiny", 64, 176, 2, 4, 2, 256)
 
 
 def _printed(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]:
-    status = main(["fit", *argv])
+    status = main(["plan", *argv])
     output = capsys.readouterr().out
     too_wide = [line for line in output.splitlines() if len(line) > 100]
     assert not too_wide and "…" not in output, output  # within 100 columns, no name cut

@@ -25,6 +25,9 @@ from swap_core.backends.host_memory import MAX_HOST_BUFFER_BYTES
 from swap_core.sim import LinkModel
 from swap_core.testing import planted
 
+PLAN = ["plan", "--tables"]
+"""The planner's tables (``swap-bench plan`` alone prints the verdict: test_fit.py)."""
+
 pytestmark = pytest.mark.sim_only
 
 PCIE4 = LinkModel.preset("pcie4")
@@ -140,7 +143,7 @@ def test_a_hugging_face_config_json_is_a_model(tmp_path: Path) -> None:
 
 def test_plan_command_writes_the_versioned_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama-1b", "--world", "8", "--link", "pcie4", "ascend-910b", "--swap-times", "2", "4"]
+    argv = [*PLAN, "--model", "llama-1b", "--world", "8", "--link", "pcie4", "ascend-910b", "--swap-times", "2", "4"]
     assert main([*argv, "--master-weights", "--json", str(path)]) == 0
     document: dict[str, Any] = json.loads(path.read_text())
     assert document["schema"] == SCHEMA and document["kind"] == "plan"
@@ -156,7 +159,7 @@ def test_plan_command_writes_the_versioned_report(tmp_path: Path, capsys: pytest
     output = capsys.readouterr().out
     assert "seconds are modeled, not measured" in output and "llama-1b +masters" in output
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "gpt-9"])
+        main([*PLAN, "--model", "gpt-9"])
     assert "neither a preset" in capsys.readouterr().err
 
 
@@ -166,7 +169,7 @@ def test_plan_with_tokens_models_whole_iterations_and_skips_what_it_cannot(
     """``--tokens``: each combination's iteration as :func:`~swap_bench.iteration.model_iteration` gives it; ranks
     per node above the world is a skipped row."""
     path = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama-1b", "--world", "2", "--link", "pcie5-achievable", "--swap-times", "4"]
+    argv = [*PLAN, "--model", "llama-1b", "--world", "2", "--link", "pcie5-achievable", "--swap-times", "4"]
     assert main([*argv, "--tokens", "2048", "--ranks-per-node", "1", "4", "--json", str(path)]) == 0
     document: dict[str, Any] = json.loads(path.read_text())
     expected = model_iteration(
@@ -187,7 +190,7 @@ def test_plan_with_staging_buffers_models_each_count_in_the_step_and_iteration_r
     device (the exact bytes of any batches are the conformance suite's accounting checks) and moves the same
     bytes."""
     path, markdown = tmp_path / "plan.json", tmp_path / "plan.md"
-    argv = ["plan", "--model", "llama-7b", "--world", "8", "--link", "pcie5-achievable", "--swap-times", "8"]
+    argv = [*PLAN, "--model", "llama-7b", "--world", "8", "--link", "pcie5-achievable", "--swap-times", "8"]
     argv += ["--master-weights", "--staging-buffers", "2", "3", "--tokens", "2048"]
     assert main([*argv, "--json", str(path), "--markdown", str(markdown)]) == 0
     document: dict[str, Any] = json.loads(path.read_text())
@@ -203,7 +206,7 @@ def test_plan_with_staging_buffers_models_each_count_in_the_step_and_iteration_r
     assert "| 8 (3 staged) |" in markdown.read_text()
     assert "8 (3 staged)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama-1b", "--staging-buffers", "1"])
+        main([*PLAN, "--model", "llama-1b", "--staging-buffers", "1"])
     assert "argument --staging-buffers: must be an integer >= 2, got 1" in capsys.readouterr().err
 
 
@@ -213,7 +216,7 @@ def test_plan_command_models_achievable_figures_and_ranks_sharing_a_host(
     """16 ranks on a host whose memory sustains 450.56 GB/s (PCIe 5, achievable figures) get 28.16 GB/s each, below
     the link's 55 GB/s: the row says which figures it used, and its copies go at the host share."""
     path, markdown = tmp_path / "plan.json", tmp_path / "plan.md"
-    argv = ["plan", "--model", "llama-1b", "--link", "pcie5-achievable", "--ranks-per-node", "16", "--swap-times", "2"]
+    argv = [*PLAN, "--model", "llama-1b", "--link", "pcie5-achievable", "--ranks-per-node", "16", "--swap-times", "2"]
     assert main([*argv, "--json", str(path), "--markdown", str(markdown)]) == 0
     (row,) = json.loads(path.read_text())["modeled_rows"]
     assert (row["link"], row["ranks_per_node"]) == ("pcie5-achievable", 16)
@@ -229,7 +232,7 @@ def test_plan_command_models_achievable_figures_and_ranks_sharing_a_host(
     assert "| pcie5-achievable | 16 | 2 |" in markdown.read_text()
     assert "pcie5-achievable" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama-1b", "--ranks-per-node", "0"])
+        main([*PLAN, "--model", "llama-1b", "--ranks-per-node", "0"])
     assert "argument --ranks-per-node: must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
@@ -299,13 +302,13 @@ def test_a_fake_world_is_torn_down_on_failure_and_refused_inside_a_process_group
 def test_plan_command_models_one_rank_of_distributed_muon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("swap_muon", reason="distributed Muon is swap-muon's")
     path = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama-1b", "--optimizer", "muon", "--world", "2", "--rank", "1", "--swap-times", "2"]
+    argv = [*PLAN, "--model", "llama-1b", "--optimizer", "muon", "--world", "2", "--rank", "1", "--swap-times", "2"]
     assert main([*argv, "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())["modeled_rows"]
     assert (row["optimizer"], row["world"], row["rank"]) == ("muon", 2, 1)
     assert "rank 1 of an FSDP2 shard" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama-1b", "--world", "2", "--rank", "2"])
+        main([*PLAN, "--model", "llama-1b", "--world", "2", "--rank", "2"])
     assert "--rank must be in [0, 2) for --world 2, got 2" in capsys.readouterr().err
 
 
@@ -323,7 +326,7 @@ def test_the_planner_recommends_the_fewest_batches_whose_staging_fits_the_device
 
 def test_plan_with_device_memory_prints_the_recommendation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama-1b", "--link", "pcie5", "--device-memory", "0.6GB", "--json", str(path)]
+    argv = [*PLAN, "--model", "llama-1b", "--link", "pcie5", "--device-memory", "0.6GB", "--json", str(path)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "recommended for llama-1b world=8 pcie5: swap_times=" in printed
@@ -341,7 +344,7 @@ def test_sizes_take_decimal_and_binary_units(text: str, size: int) -> None:
 @pytest.mark.parametrize("text", ["80XB", "big", "0GB"])
 def test_a_bad_device_memory_is_an_error_line(text: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--model", "llama-1b", "--device-memory", text])
+        main([*PLAN, "--model", "llama-1b", "--device-memory", text])
     assert exit_info.value.code == 2
 
 

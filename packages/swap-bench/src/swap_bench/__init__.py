@@ -1,7 +1,8 @@
 """swap-bench: the swapped optimizer against the unswapped one and against the link, in one run.
 
 Run ``swap-bench --help`` (or ``python -m swap_bench``). Timings are reported, never asserted.
-``swap-bench plan`` models one rank of a real model size over meta tensors on the simulator's virtual
+``swap-bench plan`` says whether a training job fits and how much slower it is (:mod:`swap_bench.fit`);
+``swap-bench plan --tables`` models one rank of a real model size over meta tensors on the simulator's virtual
 clock (:mod:`swap_bench.planner`).
 """
 

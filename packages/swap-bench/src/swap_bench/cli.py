@@ -144,32 +144,49 @@ SMOKE_RUN = (
 
 COMMANDS = """commands:
   swap-bench [options]              measure swapped against plain steps on this machine (below)
-  swap-bench fit [options]          will a job fit, and how much slower: a verdict on one screen (llama-70b...)
-  swap-bench plan [options]         model one rank of a real model (llama-70b...) on a link: bytes exact, time modeled
+  swap-bench plan [options]         will a job fit, and how much slower: a verdict on one screen (llama-70b...)
+  swap-bench plan --tables [...]    the tables behind it: one rank of a real model on links, bytes exact, time modeled
   swap-bench narrowing [options]    the host time of swap-generic's narrowed step per batch
   swap-bench device-perf [options]  a bf16 decoder's training iterations, plain, swapped and CPU-offloaded, and the
                                     link bandwidth the swapped steps achieve (a GPU; --backend sim: a dry run)
 each takes --help"""
 
 
-SUBCOMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], Callable[[Sequence[str]], int]]] = {
-    "fit": (fit_parser, fit_main),  # will one job fit (swap_bench.fit_cli)
-    "plan": (plan_parser, plan_main),  # the planner's tables (swap_bench.planner)
+Subcommand = tuple[Callable[[], argparse.ArgumentParser], Callable[[Sequence[str]], int]]
+"""A subcommand's parser and its main."""
+
+TABLES = "--tables"
+"""``swap-bench plan --tables ...``: the planner's tables instead of the verdict (the options after it are theirs)."""
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "plan": (fit_parser, fit_main),  # will one job fit (swap_bench.fit_cli); with --tables, the planner's tables
     "narrowing": (narrowing_parser, narrowing_main),  # swap-generic's narrowed step (swap_bench.narrowing)
     "device-perf": (device_perf_parser, device_perf_main),  # training iterations on a device (swap_bench.device_perf)
 }
 """``swap-bench NAME ...``: each subcommand's parser and its main."""
 
 
+def _subcommand(arguments: Sequence[str]) -> tuple[str, Subcommand, list[str]] | None:
+    """The subcommand ``arguments`` name (``"plan --tables"`` for the planner's tables), and its own arguments."""
+    if not arguments or arguments[0] not in SUBCOMMANDS:
+        return None
+    name, rest = arguments[0], list(arguments[1:])
+    if name == "plan" and TABLES in rest:
+        rest.remove(TABLES)
+        return f"plan {TABLES}", (plan_parser, plan_main), rest
+    return name, SUBCOMMANDS[name], rest
+
+
 def parse_command(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
-    """The command ``swap-bench ARGV`` runs (``"measure"``, ``"fit"``, ``"plan"``, ``"narrowing"`` or
+    """The command ``swap-bench ARGV`` runs (``"measure"``, ``"plan"``, ``"plan --tables"``, ``"narrowing"`` or
     ``"device-perf"``) and its options, read as it would read them, without running anything: a documented command
     line can be checked this way. A bad option exits as the command would (``SystemExit`` with status 2, the usage on
     stderr)."""
     arguments = list(argv)
-    if arguments[:1] and arguments[0] in SUBCOMMANDS:
-        parser, _ = SUBCOMMANDS[arguments[0]]
-        return arguments[0], parser().parse_args(arguments[1:])
+    found = _subcommand(arguments)
+    if found is not None:
+        name, (parser, _), rest = found
+        return name, parser().parse_args(rest)
     return "measure", _measure_parser().parse_args(arguments)
 
 
@@ -177,9 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``swap-bench`` command: parse ``argv``, benchmark, print the table and write the JSON report; or run the
     subcommand ``argv`` names (:data:`SUBCOMMANDS`)."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments[:1] and arguments[0] in SUBCOMMANDS:
-        _, run = SUBCOMMANDS[arguments[0]]
-        return run(arguments[1:])
+    found = _subcommand(arguments)
+    if found is not None:
+        _, (_, run), rest = found
+        return run(rest)
     parser = _measure_parser()
     args = parser.parse_args(arguments)
     refuse_a_missing_accelerator(parser, args.backend)

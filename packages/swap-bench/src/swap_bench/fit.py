@@ -1,4 +1,4 @@
-"""``swap-bench fit``: will a training job fit, and how much slower will it be? One screen, 100 columns.
+"""``swap-bench plan``: will a training job fit, and how much slower will it be? One screen, 100 columns.
 
 Given a model, its FSDP2 world, the device and host memory, the dtype and the tokens a rank, the verdict adds up one
 rank's device memory at the step's peak and the pinned host memory of a node:

@@ -1,4 +1,4 @@
-"""The ``swap-bench fit`` command: the verdict of :func:`~swap_bench.fit.judge` on one screen of 100 columns."""
+"""The ``swap-bench plan`` command: the verdict of :func:`~swap_bench.fit.judge` on one screen of 100 columns."""
 
 from __future__ import annotations
 
@@ -22,13 +22,19 @@ WIDTH = 100
 
 
 def fit_parser() -> argparse.ArgumentParser:
-    """The parser of ``swap-bench fit``."""
+    """The parser of ``swap-bench plan`` (the verdict; ``--tables`` is read by :mod:`swap_bench.cli` first)."""
     parser = command_parser(
-        "swap-bench fit",
+        "swap-bench plan",
         "Will one training job fit, and how much slower will it be? One rank's device memory at the step's peak\n"
         "(weights, gradients, an estimate of the activations, the swap's staging), a node's pinned host memory,\n"
         "the modeled iteration unswapped and swapped, and the SwapConfig to use. Modeled over meta tensors: nothing\n"
-        "is allocated. `swap-bench plan` prints the full tables behind it.",
+        "is allocated. `swap-bench plan --tables` prints the full tables behind it.",
+    )
+    parser.add_argument(
+        "--tables",
+        action="store_true",
+        help="print the planner's full tables instead: the options after it are theirs (swap-bench plan --tables "
+        "--help)",
     )
     parser.add_argument("--model", default="llama-7b", help=f"a preset ({', '.join(MODELS)}) or a config.json path")
     parser.add_argument("--world", type=positive_count, default=8, help="FSDP2 ranks (default 8)")
@@ -48,7 +54,7 @@ def fit_parser() -> argparse.ArgumentParser:
 
 
 def fit_main(argv: Sequence[str] | None = None) -> int:
-    """``swap-bench fit``: judge the job and print the verdict; 0 when it fits, 1 when it does not."""
+    """``swap-bench plan``: judge the job and print the verdict; 0 when it fits, 1 when it does not."""
     parser = fit_parser()
     args = parser.parse_args(argv)
     if args.ranks_per_node > args.world:

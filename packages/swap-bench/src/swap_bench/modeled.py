@@ -3,7 +3,7 @@
 :func:`model_step` runs the real swap pipeline on :class:`~swap_core.sim.MetaBackend` (no data is
 allocated) for a set of parameter shapes, and the unswapped optimizer beside it, and reports what
 the rank would hold on the device and in host memory, what it copies and how long the step takes
-on the modeled link. The planner (``swap-bench plan``) feeds it one rank's FSDP2 shard of a model;
+on the modeled link. The planner (``swap-bench plan --tables``) feeds it one rank's FSDP2 shard of a model;
 the benchmark feeds it its workloads, next to their measured rows. Deterministic: the same numbers
 on every machine.
 

@@ -1,4 +1,4 @@
-"""``swap-bench plan``: one rank's swapped step for a real model size, modeled over meta tensors.
+"""``swap-bench plan --tables``: one rank's swapped step for a real model size, modeled over meta tensors.
 
 For each combination of the given models, world sizes, links, ranks per node and ``swap_times``, the planner builds
 one rank's FSDP2 shard of the model (by default rank 0, whose shard is the largest: dim 0 of every
@@ -75,7 +75,7 @@ def _default_swap_times() -> int:
 
 
 DEFAULT_SWAP_TIMES = _default_swap_times()
-"""The batch count a plain ``SwapConfig()`` asks for: the planner's default, and what ``swap-bench fit`` tries
+"""The batch count a plain ``SwapConfig()`` asks for: the planner's default, and what ``swap-bench plan`` tries
 first."""
 
 PLAN_OPTIMIZERS = ("adamw", "rmsprop", "sgd", "adagrad", "nadam", "muon")
@@ -210,7 +210,7 @@ def plan_combinations(
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
-    """The ``swap-bench plan`` command: model the rows, print the table, write the JSON report."""
+    """The ``swap-bench plan --tables`` command: model the rows, print the table, write the JSON report."""
     parser = plan_parser()
     args = parser.parse_args(argv)
     models = [model_argument(name, parser) for name in args.model]
@@ -288,9 +288,9 @@ def plan_iterations(
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    """The parser of ``swap-bench plan``."""
+    """The parser of ``swap-bench plan --tables``."""
     parser = command_parser(
-        "swap-bench plan",
+        "swap-bench plan --tables",
         "Model one rank's swapped step for a real model size on a link, over meta tensors (nothing is\n"
         "allocated): device and host bytes and copies exact, seconds on the simulator's virtual clock.\n\n"
         "Columns: plain state GB, the unswapped optimizer's device bytes; device peak GB, the swapped step's;\n"
@@ -396,7 +396,7 @@ def _plan_report(
     rows: list[ModeledRow], skipped: list[dict[str, str]], models: Sequence[ModelShape], console: Console, *, rank: int
 ) -> dict[str, Any]:
     """Print the table, what was skipped and each recommendation; the JSON report of the rows."""
-    render_modeled_table(rows, console, title=f"swap-bench plan: rank {rank} of an FSDP2 shard, cold step")
+    render_modeled_table(rows, console, title=f"swap-bench plan --tables: rank {rank} of an FSDP2 shard, cold step")
     print_skipped(skipped, console)
     for chosen in rows:
         if chosen.swap_times == "auto" and chosen.device_memory is not None:

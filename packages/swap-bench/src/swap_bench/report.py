@@ -224,7 +224,7 @@ def render_modeled_table(rows: Sequence[ModeledRow], console: Console, *, title:
 def render_iteration_table(rows: Sequence[IterationRow], console: Console) -> None:
     """Modeled whole iterations (``plan --tokens``): forward start to forward start, three ways, and the bound."""
     table = Table(
-        title="swap-bench plan --tokens: one rank's training iteration; seconds are modeled, not measured",
+        title="swap-bench plan --tables --tokens: one rank's training iteration; seconds are modeled, not measured",
         caption="after/inside: swapped, stepping after the backward or inside it (SwapConfig(step='in_backward')), "
         "each over the unswapped iteration. bound: every swapped byte in and out once, both ways at once. host: "
         "the swapped optimizer's host bytes; inside, with provisional updates: a second copy of the states and a "

@@ -30,8 +30,8 @@ def register_fake_process_group_backend() -> None:
     except ImportError as error:
         raise TorchCompatError(
             f"torch {torch.__version__} has no {_FAKE_PG_MODULE} (checked: torch 2.13), whose fake process group "
-            "swap-bench plan uses to model distributed Muon; this swap-bench release needs a torch it was checked "
-            "against"
+            "swap-bench plan --tables uses to model distributed Muon; this swap-bench release needs a torch it was "
+            "checked against"
         ) from error
     if FAKE_BACKEND not in dist.Backend.backend_list:
         raise TorchCompatError(

@@ -1,7 +1,7 @@
 """Ending a torch.distributed run cleanly: every process group destroyed while the interpreter is fully alive.
 
 :func:`destroy_process_groups` (or :func:`initialized_process_group` around the work) is the teardown swap asks of
-every distributed script (docs/behaviour.md, "Ending a distributed run"): it destroys each process group and raises
+every distributed script (docs/distributed-endings.md): it destroys each process group and raises
 if one outlives it, instead of a SIGABRT at interpreter exit in one run out of ten or twenty (see its docstring).
 
 Importing this module before ``init_process_group`` imports the torch modules that would otherwise bind the default

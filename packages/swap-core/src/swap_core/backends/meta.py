@@ -11,7 +11,7 @@ kernels for meta tensors, where a CUDA device would run the foreach or fused one
 
 Nothing is computed, so nothing can be checked: the schedule is the simulator's ``sync`` one,
 without race checks or poison. Use the CPU simulator for correctness and this one for the
-numbers of sizes that do not fit here (``swap-bench plan``).
+numbers of sizes that do not fit here (``swap-bench plan --tables``).
 """
 
 from __future__ import annotations
