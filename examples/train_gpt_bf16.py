@@ -54,7 +54,7 @@ from train_gpt import (
 )
 
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
-from swap_core.master_weights import MASTER_KEY
+from swap_core.master_weights import master_of
 from swap_core.sim import SimBackend
 from swap_core.testing.masters import MasterReference
 
@@ -132,7 +132,7 @@ def parity(reference: MasterReference, swapped: SwapOptimizer, records: dict[str
         "max_abs_loss_diff": max(abs(a - b) for a, b in zip(expected, actual, strict=True)),
         "final_parameters_identical": all(map(bitwise_equal, reference.params, params)),
         "final_masters_identical": all(
-            bitwise_equal(master, swapped.state[param][MASTER_KEY])
+            bitwise_equal(master, master_of(swapped, param))  # either form of the master, as fp32
             for master, param in zip(reference.masters, params, strict=True)
         ),
         "plain_bf16_max_abs_loss_diff": max(
@@ -292,6 +292,7 @@ def main() -> int:
         args.out / "summary.json",
         steps=args.steps,
         parameters=parameters,
+        parameter_numels=[param.numel() for param in models[0].parameters()],
         config={"swap_times": args.swap_times, "master_weights": True, **ADAMW},
         parity=result,
         losses={run: record.losses for run, record in records.items()},

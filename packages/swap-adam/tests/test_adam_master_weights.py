@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from swap_core import DeviceBackend, SwapConfig, swap_optimizer
-from swap_core.master_weights import MASTER_KEY
+from swap_core.master_weights import REMAINDER_KEY
+from swap_core.master_weights.remainder import remainder_nbytes
 from swap_core.sim import SimBackend
 from swap_core.testing.masters import MasterReference, set_same_grads
 from swap_core.testing.pytest_plugin import BackendFactory
@@ -59,7 +60,9 @@ def _train_against_the_reference(
 
 
 @pytest.mark.sim_only
-def test_adamw_holds_12_bytes_per_bf16_parameter_in_host_memory_and_none_on_the_device() -> None:
+def test_adamw_moves_10_125_bytes_per_bf16_parameter_each_way_and_holds_none_on_the_device() -> None:
+    """Issue 46: the master crosses the link as the bits its bf16 parameter lacks (2.125 bytes, at most 10.25 a
+    parameter each way with the moments' 8), exactly counted, and between steps nothing is on the device."""
     params = [torch.nn.Parameter(torch.randn(1000).bfloat16()) for _ in range(4)]
     sim = SimBackend()
     config = SwapConfig(backend=sim, swap_times=2, packed=False, min_numel=64, master_weights=True)
@@ -69,9 +72,12 @@ def test_adamw_holds_12_bytes_per_bf16_parameter_in_host_memory_and_none_on_the_
         optimizer.step()
         sim.synchronize()
         assert sim.memory_allocated() == 0, "between steps no master or moment byte is on the device"
-    assert optimizer.stats.host_state_bytes == 12 * 4000  # master + exp_avg + exp_avg_sq, fp32 each
-    assert optimizer.stats.peak_state_device_bytes == 2 * 12 * 2000  # two batches of two parameters in flight
-    assert all(optimizer.state[param][MASTER_KEY].dtype == torch.float32 for param in params)
+        assert optimizer.stats.h2d_bytes == optimizer.stats.d2h_bytes == 4 * (8 * 1000 + 2125)
+    per_parameter = optimizer.stats.h2d_bytes / 4000
+    assert per_parameter == 10.125 <= 10.25, "exp_avg and exp_avg_sq (8 B) and the master's remainder (2.125 B)"
+    assert optimizer.stats.host_state_bytes == 4 * (8 * 1000 + remainder_nbytes(1000))
+    assert optimizer.stats.peak_state_device_bytes == 2 * 2 * (8 * 1000 + 2125)  # two batches of two in flight
+    assert all(optimizer.state[param][REMAINDER_KEY].dtype == torch.uint8 for param in params)
 
 
 def test_bf16_moments_without_master_weights_differ_from_the_reference() -> None:

@@ -35,7 +35,8 @@ from ckpt_training import (
 
 from swap_ckpt import AppState, load_checkpoint
 from swap_core.adapters import local_tensor
-from swap_core.master_weights import MASTER_KEY
+from swap_core.master_weights import MASTER_KEY, REMAINDER_KEY, master_of
+from swap_core.master_weights.remainder import remainder_nbytes
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.distributed import run_distributed
 from swap_core.testing.masters import MasterReference
@@ -75,21 +76,28 @@ def _first_world(rank: int, world_size: int, directory: Path, layout: Layout) ->
         # Between steps no master or moment of a swapped parameter is on the device, only the resident ones.
         sim = simulator_of(optimizer)
         for param in params:
-            master = local_tensor(optimizer.state[param][MASTER_KEY])
-            assert master.dtype == torch.float32 and master.shape == local_tensor(param).shape
-            assert sim.owns(master) == (param.numel() < MIN_NUMEL), (rank, step, tuple(param.shape))
+            state = optimizer.state[param]
+            held = state[REMAINDER_KEY] if REMAINDER_KEY in state else local_tensor(state[MASTER_KEY])
+            master = master_of(optimizer, param)  # a bf16 shard's master: its remainder joined with it
+            assert master is not None and master.dtype == torch.float32 and master.shape == param.shape
+            assert sim.owns(held) == (param.numel() < MIN_NUMEL), (rank, step, tuple(param.shape))
         stats = optimizer.stats  # type: ignore[attr-defined]
         if layout.step == "in_backward":  # the first step, and the first after the load, create or take in states
             assert stats.batches_in_backward == (stats.batches if step > 0 else 0), (rank, step, stats)
 
     model, optimizer, at_save = train_save_and_record(layout, rank, directory, after_step=beside_the_reference)
     params = list(model.parameters())
-    swapped_numel = sum(local_tensor(param).numel() for param in params if param.numel() >= MIN_NUMEL)
-    # fp32 master + exp_avg + exp_avg_sq of each swapped bf16 parameter: 12 bytes per element of the local shard.
+    swapped_numels = [local_tensor(param).numel() for param in params if param.numel() >= MIN_NUMEL]
+    # exp_avg + exp_avg_sq of each swapped bf16 parameter (8 bytes per element of the local shard) and its master:
+    # the bits the shard lacks after the backward (2.125 bytes an element), fp32 inside it (4).
+    in_backward = layout.step == "in_backward"
+    masters = [4 * numel if in_backward else remainder_nbytes(numel) for numel in swapped_numels]
     stats = optimizer.stats  # type: ignore[attr-defined]
-    assert stats.host_state_bytes == 12 * swapped_numel, (stats.host_state_bytes, swapped_numel)
+    planned = planned_batches(optimizer)
+    state_bytes = sum(state.nbytes for batch in planned for state in batch.states)  # without alignment padding
+    assert state_bytes == 8 * sum(swapped_numels) + sum(masters), (state_bytes, masters)
     # The masters travel in the batches with the moments (the in-step peak is swap-adam's exact test).
-    batch_bytes = [sum(batch.copy_bytes) for batch in planned_batches(optimizer)]
+    batch_bytes = [sum(batch.copy_bytes) for batch in planned]
     assert sum(batch_bytes) == stats.host_state_bytes and stats.h2d_bytes == stats.host_state_bytes, stats
     assert MASTER_KEY in at_save["optim"]["state"]["0.weight"]
 
@@ -122,7 +130,7 @@ def _plain_checkpoint_into_masters(rank: int, world_size: int, directory: Path) 
         state, plain_state = optimizer.state[param], plain.state[plain_param]
         assert_bitwise_equal(local_tensor(plain_param), local_tensor(param), f"rank {rank}: {name} loaded")
         assert_bitwise_equal(
-            local_tensor(param).float(), local_tensor(state[MASTER_KEY]), f"rank {rank}: {name} master"
+            local_tensor(param).float(), local_tensor(master_of(optimizer, param)), f"rank {rank}: {name} master"
         )
         for key in ("exp_avg", "exp_avg_sq"):
             assert local_tensor(state[key]).dtype == torch.float32, f"rank {rank}: {name} {key} kept in fp32"

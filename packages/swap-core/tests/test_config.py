@@ -24,6 +24,7 @@ from swap_core import SwapConfig
         ("duplex", 1, TypeError, "SwapConfig.duplex must be a bool, got 1"),
         ("keep_staging", None, TypeError, "SwapConfig.keep_staging must be a bool, got None"),
         ("undo_failed_steps", "yes", TypeError, "SwapConfig.undo_failed_steps must be a bool, got 'yes'"),
+        ("master_remainders", 0, TypeError, "SwapConfig.master_remainders must be a bool, got 0"),
         ("state_keys", "exp_avg", TypeError, "state_keys must be a sequence of state key names"),
         ("state_keys", ["a", "a"], ValueError, "has duplicates"),
         ("state_keys", [1], TypeError, "state_keys entries must be str, got 1"),

@@ -83,7 +83,7 @@ def test_only_bf16_parameters_have_the_remainder_form() -> None:
     ("master", "param", "message"),
     [
         (torch.zeros(4), torch.zeros(4, dtype=torch.float16), r"fp32 master and a bf16 parameter.*float16"),
-        (torch.zeros(4), torch.zeros(5, dtype=torch.bfloat16), r"of one shape, got \(4,\) and \(5,\)"),
+        (torch.zeros(4), torch.zeros(5, dtype=torch.bfloat16), r"of its parameter's shape, got \(4,\) and \(5,\)"),
         (torch.zeros(4, 2).t(), torch.zeros(2, 4, dtype=torch.bfloat16), r"contiguous"),
     ],
     ids=["fp16", "shape", "strided"],
@@ -91,6 +91,15 @@ def test_only_bf16_parameters_have_the_remainder_form() -> None:
 def test_what_cannot_be_split_is_refused_naming_it(master: torch.Tensor, param: torch.Tensor, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         split_master(master, param)
+
+
+def test_a_parameter_in_another_memory_order_is_read_in_its_logical_order() -> None:
+    """A transposed (non-contiguous) parameter: split and join read it element by element in logical order, as the
+    contiguous master is laid out, so the master comes back bit for bit."""
+    master = torch.randn(6, 4, generator=torch.Generator().manual_seed(3)) * 100
+    param = master.to(torch.bfloat16).t().contiguous().t()
+    assert not param.is_contiguous()
+    assert torch.equal(join_master(param, split_master(master, param)).view(torch.int32), master.view(torch.int32))
 
 
 def test_a_remainder_of_another_size_is_refused_before_anything_is_written() -> None:

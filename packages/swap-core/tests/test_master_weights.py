@@ -18,7 +18,9 @@ import torch
 from swap_core import SwapConfig, SwapOptimizer, swap_optimizer
 from swap_core.backends.cpu import CpuBackend
 from swap_core.errors import StateDictMismatchError, SwapStateError, UnsupportedOptimizerError
-from swap_core.master_weights import MASTER_KEY, master_state_dict
+from swap_core.master_weights import MASTER_KEY, master_of, master_state_dict
+from swap_core.master_weights.remainder import remainder_nbytes
+from swap_core.runtime.state_keys import REMAINDER_KEY
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.conformance import through_torch_save
@@ -52,6 +54,13 @@ def swapped(
     return swap_optimizer(factory(list(params)), config)
 
 
+def master_bytes(param: torch.Tensor) -> int:
+    """Bytes of ``param``'s master: its remainder for a bf16 one (2.125 a parameter), fp32 for an fp16 one."""
+    if param.dtype == torch.bfloat16:
+        return remainder_nbytes(param.numel())
+    return 4 * param.numel() if param.dtype == torch.float16 else 0
+
+
 def assert_matches_reference(reference: MasterReference, optimizer: SwapOptimizer, where: str) -> None:
     reference.assert_matches(optimizer, optimizer.param_groups[0]["params"], where)
 
@@ -73,11 +82,18 @@ def test_states_and_masters_are_fp32_and_the_params_keep_their_dtype() -> None:
     for param, (_, dtype) in zip(params, SHAPES_AND_DTYPES, strict=True):
         assert param.dtype == dtype
         state = optimizer.state[param]
-        assert (MASTER_KEY in state) is (dtype != torch.float32)
+        # bf16: the master's remainder (uint8, 2.125 bytes a parameter); fp16: an fp32 master; fp32: none.
+        assert (MASTER_KEY in state) is (dtype == torch.float16) and (REMAINDER_KEY in state) is (
+            dtype == torch.bfloat16
+        )
         assert {state[key].dtype for key in ("square_avg", "momentum_buffer", "grad_avg")} == {torch.float32}
-        if MASTER_KEY in state:
-            assert state[MASTER_KEY].dtype == torch.float32 and state[MASTER_KEY].shape == param.shape
-            assert torch.equal(state[MASTER_KEY].to(dtype), param.detach()), "the parameter is its master, rounded"
+        if REMAINDER_KEY in state:
+            assert state[REMAINDER_KEY].dtype == torch.uint8
+            assert state[REMAINDER_KEY].shape == (remainder_nbytes(param.numel()),)
+        master = master_of(optimizer, param)
+        if master is not None:
+            assert master.dtype == torch.float32 and master.shape == param.shape
+            assert torch.equal(master.to(dtype), param.detach().cpu()), "the parameter is its master, rounded"
 
 
 # -- memory, exact on the simulator ----------------------------------------------------------------
@@ -91,11 +107,12 @@ def test_between_steps_no_master_or_swapped_state_byte_is_on_the_device() -> Non
         sim.synchronize()
         assert sim.memory_allocated() == optimizer.stats.resident_state_device_bytes
     swapped_numel = sum(param.numel() for param in params if param.numel() >= 64)
-    low_precision_numel = sum(param.numel() for param in params if param.numel() >= 64 and param.dtype != torch.float32)
-    # Per parameter: RMSprop's square_avg, momentum_buffer, grad_avg in fp32 (12 B), and 4 B of master if bf16/fp16.
-    assert optimizer.stats.host_state_bytes == 12 * swapped_numel + 4 * low_precision_numel
-    resident = params[1]  # (40,) bf16: three states and its master stay on the device
-    assert optimizer.stats.resident_state_device_bytes == 16 * resident.numel()
+    masters = sum(master_bytes(param) for param in params if param.numel() >= 64)
+    # Per parameter: RMSprop's square_avg, momentum_buffer, grad_avg in fp32 (12 B), and the master: its remainder
+    # for bf16 (2.125 B), fp32 for fp16 (4 B).
+    assert optimizer.stats.host_state_bytes == 12 * swapped_numel + masters
+    resident = params[1]  # (40,) bf16: three states and its master's remainder stay on the device
+    assert optimizer.stats.resident_state_device_bytes == 12 * resident.numel() + master_bytes(resident)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -133,7 +150,7 @@ def test_a_plain_checkpoint_loads_into_master_mode_with_masters_from_the_params(
     for param, plain_param in zip(params, plain_params, strict=True):
         state, plain_state = optimizer.state[param], plain.state[plain_param]
         if param.dtype != torch.float32:
-            assert_bitwise_equal(param.detach().float(), state[MASTER_KEY], "master from the parameter")
+            assert_bitwise_equal(param.detach().float(), master_of(optimizer, param), "master from the parameter")
         for key in ("square_avg", "momentum_buffer", "grad_avg"):
             assert state[key].dtype == torch.float32, "kept in fp32 beside a master"
             assert_bitwise_equal(plain_state[key].float(), state[key], key)
@@ -197,14 +214,14 @@ def test_master_weights_on_cpu_parameters_run_the_same_math_unswapped() -> None:
         train(reference, optimizer, range(step, step + 1))
         assert_matches_reference(reference, optimizer, f"CPU step {step}")
     assert optimizer.stats.host_state_bytes == 0 and optimizer.stats.h2d_copies == 0, "nothing is swapped"
-    master_bytes = sum(4 * param.numel() for param in params if param.dtype != torch.float32)
-    assert optimizer.stats.resident_state_device_bytes == 12 * sum(param.numel() for param in params) + master_bytes
+    masters = sum(master_bytes(param) for param in params)
+    assert optimizer.stats.resident_state_device_bytes == 12 * sum(param.numel() for param in params) + masters
 
     checkpoint = through_torch_save(optimizer.state_dict())
     resumed_params = [torch.nn.Parameter(param.detach().clone()) for param in params]
     resumed = swap_optimizer(rmsprop(list(resumed_params)), SwapConfig(master_weights=True))
     resumed.load_state_dict(checkpoint)
-    assert resumed.state[resumed_params[0]][MASTER_KEY].dtype == torch.float32
+    assert resumed.state[resumed_params[0]][REMAINDER_KEY].dtype == torch.uint8, "bf16: kept as its remainder"
     assert resumed.state[resumed_params[0]]["square_avg"].dtype == torch.float32, "not cast to the bf16 parameter's"
     train(reference, resumed, range(STEPS, STEPS + 2))
     reference.assert_matches(resumed, resumed_params, "CPU, resumed")
@@ -227,8 +244,8 @@ def test_a_bf16_group_added_to_a_cpu_master_mode_optimizer_gets_masters() -> Non
     optimizer.add_param_group({"params": [added]})
     fp32.grad, added.grad = torch.ones(8), torch.ones(8, 8).bfloat16()
     optimizer.step()
-    assert optimizer.state[added][MASTER_KEY].dtype == torch.float32
-    assert MASTER_KEY not in optimizer.state[fp32]
+    assert optimizer.state[added][REMAINDER_KEY].dtype == torch.uint8
+    assert REMAINDER_KEY not in optimizer.state[fp32] and MASTER_KEY not in optimizer.state[fp32]
 
 
 def test_master_weights_must_be_a_bool() -> None:
@@ -253,7 +270,7 @@ def test_master_state_dict_exports_the_fp32_masters_keyed_like_the_model() -> No
         assert exported[name].dtype == torch.float32 and exported[name].device.type == "cpu"
         assert_bitwise_equal(master, exported[name], name)  # the fp32 master (the LayerNorm: its own fp32 values)
         if param.dtype != torch.float32:
-            assert exported[name].data_ptr() != optimizer.state[param][MASTER_KEY].data_ptr(), "a copy"
+            assert exported[name].data_ptr() != master_of(optimizer, param).data_ptr(), "a copy"
 
 
 class _TiedModel(torch.nn.Module):
@@ -275,7 +292,7 @@ def test_master_state_dict_gives_every_name_of_a_tied_weight_its_master_and_expo
         model.emb.weight.grad = torch.full_like(model.emb.weight, 0.5)
         optimizer.step()
     exported = master_state_dict(model, optimizer)
-    master = optimizer.state[model.emb.weight][MASTER_KEY]
+    master = master_of(optimizer, model.emb.weight)
     for name in ("emb.weight", "head.weight"):
         assert_bitwise_equal(master, exported[name], f"{name}: the tied weight's fp32 master, under both names")
     assert not torch.equal(exported["emb.weight"], model.emb.weight.float()), "the master moved off the bf16 grid"
@@ -295,7 +312,7 @@ def test_a_checkpoint_whose_masters_were_cast_down_loads_them_as_fp32_with_a_war
         entry[MASTER_KEY] = entry[MASTER_KEY].bfloat16()  # saved in the model's dtype
     with pytest.warns(UserWarning, match=r"holds 2 'master_param' in a lower precision than float32"):
         optimizer.load_state_dict(saved)
-    assert all(optimizer.state[param][MASTER_KEY].dtype == torch.float32 for param in params)
+    assert all(master_of(optimizer, param).dtype == torch.float32 for param in params)  # type: ignore[union-attr]
 
 
 def test_master_weights_over_dtensor_parameters_are_sharded_like_them_and_match_the_reference() -> None:
@@ -319,9 +336,13 @@ def test_master_weights_over_dtensor_parameters_are_sharded_like_them_and_match_
             reference.assert_matches(optimizer, params, f"step {step}")
         for param in params:
             if param.dtype != torch.float32:
-                master = optimizer.state[param][MASTER_KEY]
+                master = master_of(optimizer, param)  # a bf16 one's joined from its local remainder
                 assert isinstance(master, DTensor) and master.placements == param.placements
                 assert master.dtype == torch.float32 and master.shape == param.shape
+                assert (REMAINDER_KEY in optimizer.state[param]) is (param.dtype == torch.bfloat16)
+        checkpoint = optimizer.state_dict()  # the fp32 master, a DTensor of the parameter's layout, in either form
+        masters = [entry[MASTER_KEY] for entry in checkpoint["state"].values() if MASTER_KEY in entry]
+        assert len(masters) == 4 and all(isinstance(master, DTensor) for master in masters)
 
     with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
         run()
@@ -364,9 +385,8 @@ def test_states_made_before_wrapping_get_masters_from_the_params_with_one_warnin
         optimizer = swap_optimizer(plain, config)
     assert said[0].filename == __file__, "the warning points at the line that wrapped the optimizer"
     low = [param for param in params if param.dtype != torch.float32]
-    assert {value.dtype for param in low for key, value in optimizer.state[param].items() if key != "step"} == {
-        torch.float32
-    }
+    floating = {key: value.dtype for param in low for key, value in optimizer.state[param].items() if key != "step"}
+    assert {dtype for key, dtype in floating.items() if key != REMAINDER_KEY} == {torch.float32}
     reference.assert_matches(optimizer, params, "wrapped")
     train(reference, optimizer, range(1, 4))
     reference.assert_matches(optimizer, params, "after three steps of the wrapped optimizer")

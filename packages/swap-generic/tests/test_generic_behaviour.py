@@ -385,5 +385,5 @@ def test_master_weights_through_swap_optimizer_run_on_the_generic_adapter() -> N
     params[0].grad = torch.ones_like(params[0])
     optimizer.step()
     state = optimizer.state[params[0]]
-    assert sorted(state) == ["master_param", "momentum_buffer"]
-    assert state["master_param"].dtype == state["momentum_buffer"].dtype == torch.float32
+    assert sorted(state) == ["master_remainder", "momentum_buffer"]  # a bf16 parameter's master: its remainder
+    assert state["master_remainder"].dtype == torch.uint8 and state["momentum_buffer"].dtype == torch.float32

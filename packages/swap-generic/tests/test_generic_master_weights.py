@@ -20,7 +20,8 @@ import torch
 
 from swap_core import SwapConfig, SwapOptimizer
 from swap_core.errors import StateDictMismatchError, SwapStateError
-from swap_core.master_weights import MASTER_KEY
+from swap_core.master_weights import MASTER_KEY, MASTER_KEYS, REMAINDER_KEY, master_of
+from swap_core.master_weights.remainder import remainder_nbytes
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.conformance import MASTER_MODES, ConformanceCase, through_torch_save
@@ -132,15 +133,18 @@ def test_between_steps_no_master_or_swapped_state_byte_is_on_the_device(name: st
             for key, value in optimizer.state[param].items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     continue
-                assert value.dtype == torch.float32, f"step {step}: {key!r} of parameter {index} is {value.dtype}"
+                # A bf16 parameter's master is its remainder (uint8, 2.125 B a parameter); every other state fp32.
+                dtype = torch.uint8 if key == REMAINDER_KEY else torch.float32
+                assert value.dtype == dtype, f"step {step}: {key!r} of parameter {index} is {value.dtype}"
                 large = param.numel() >= MIN_NUMEL and value.numel() >= MIN_NUMEL
                 assert sim.owns(value) is not large, f"step {step}: {key!r} of parameter {index}"
-                swapped_bytes += value.numel() * 4 if large else 0
+                swapped_bytes += value.numel() * value.element_size() if large else 0
         assert optimizer.stats.host_state_bytes == swapped_bytes, f"after step {step}"
-    assert MASTER_KEY in optimizer.state[params[0]] and MASTER_KEY not in optimizer.state[params[2]]
-    if name == "sgd_plain":  # no state but the masters: 4 B per element of the swapped bf16/fp16 parameters
+    assert REMAINDER_KEY in optimizer.state[params[0]] and MASTER_KEYS.isdisjoint(optimizer.state[params[2]])
+    if name == "sgd_plain":  # no state but the masters: 2.125 B a bf16 element, 4 B an fp16 one (swapped ones)
         low = [param for param in params if param.numel() >= MIN_NUMEL and param.dtype != torch.float32]
-        assert optimizer.stats.host_state_bytes == 4 * sum(param.numel() for param in low)
+        masters = [remainder_nbytes(p.numel()) if p.dtype == torch.bfloat16 else 4 * p.numel() for p in low]
+        assert optimizer.stats.host_state_bytes == sum(masters)
 
 
 def test_adagrad_constructor_states_become_fp32_with_one_warning_naming_how_many() -> None:
@@ -151,7 +155,7 @@ def test_adagrad_constructor_states_become_fp32_with_one_warning_naming_how_many
         optimizer = SwapOptimizer(plain, config, adapter_factory=GenericAdapter)
     for param in params:
         assert optimizer.state[param]["sum"].dtype == torch.float32
-        assert (MASTER_KEY in optimizer.state[param]) is (param.dtype != torch.float32)
+        assert (not MASTER_KEYS.isdisjoint(optimizer.state[param])) is (param.dtype != torch.float32)
 
 
 def test_a_master_checkpoint_resumes_bitwise_and_a_plain_one_loads_with_masters_from_the_params() -> None:
@@ -183,7 +187,7 @@ def test_a_master_checkpoint_resumes_bitwise_and_a_plain_one_loads_with_masters_
     for param, plain_param in zip(into_masters, plain_params, strict=True):
         state = optimizer.state[param]
         if param.dtype != torch.float32:
-            assert_bitwise_equal(param.detach().float(), state[MASTER_KEY], "master from the parameter")
+            assert_bitwise_equal(param.detach().float(), master_of(optimizer, param), "master from the parameter")
         assert_bitwise_equal(plain.state[plain_param]["exp_avg"].float(), state["exp_avg"], "exp_avg, kept in fp32")
     set_same_grads(2, into_masters)
     optimizer.step()  # and it trains on
@@ -490,3 +494,18 @@ def test_a_failed_first_step_is_undone_and_a_retry_steps_bitwise_as_the_plain_op
     for step in range(3):
         train(reference, optimizer, params, range(step, step + 1))
         reference.assert_matches(optimizer, params, f"step {step} after the failed first step")
+
+
+def test_sgd_with_momentum_moves_6_125_bytes_a_bf16_parameter_each_way() -> None:
+    """Issue 46: the momentum (4 B) and the master as the bits its bf16 parameter lacks (2.125 B), at most 6.25
+    bytes a parameter each way, exactly counted; bitwise the reference."""
+    factory = FACTORIES["sgd_nesterov_wd"]
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(256, generator=generator).bfloat16()) for _ in range(4)]
+    reference = MasterReference([param.detach().clone() for param in params], factory)
+    optimizer = swapped(params, factory, SimBackend(mode="lazy"), packed=False)
+    train(reference, optimizer, params, range(3))
+    reference.assert_matches(optimizer, params, "3 steps")
+    moved = 4 * (4 * 256 + remainder_nbytes(256))
+    assert optimizer.stats.h2d_bytes == optimizer.stats.d2h_bytes == moved
+    assert moved / (4 * 256) == 6.125 <= 6.25

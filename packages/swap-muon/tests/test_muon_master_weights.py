@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from swap_core import SwapConfig, swap_optimizer
-from swap_core.master_weights import MASTER_KEY
+from swap_core.master_weights import master_of
+from swap_core.master_weights.remainder import remainder_nbytes
 from swap_core.sim import SimBackend
 from swap_core.testing.compare import assert_bitwise_equal
 from swap_core.testing.masters import MasterReference
@@ -63,9 +64,34 @@ def test_distributed_muon_with_master_weights_on_one_rank_is_bitwise_the_referen
                 state = optimizer.state[param]
                 where = f"step {step}, parameter {index}"
                 assert_bitwise_equal(reference_param, param.full_tensor(), where)  # type: ignore[attr-defined]
-                assert_bitwise_equal(master, state[MASTER_KEY].full_tensor(), f"{where}: master")
+                held = master_of(optimizer, param)  # the shard's remainder joined with it, as an fp32 DTensor
+                assert held is not None
+                assert_bitwise_equal(master, held.full_tensor(), f"{where}: master")
                 momentum = reference.optimizer.state[master]["momentum_buffer"]
                 assert_bitwise_equal(momentum, state["momentum_buffer"], f"{where}: momentum (fp32, whole)")
 
     with initialized_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1):
         run()
+
+
+def test_muon_moves_6_125_bytes_a_bf16_parameter_each_way() -> None:
+    """Issue 46: the momentum (4 B) and the master as the bits its bf16 parameter lacks (2.125 B), at most 6.25
+    bytes a parameter each way, exactly counted; bitwise the reference."""
+    reference = MasterReference(_params(), _muon)
+    params = _params()
+    sim = SimBackend(mode="random", seed=2)
+    config = SwapConfig(backend=sim, swap_times=2, min_numel=128, packed=False, master_weights=True)
+    optimizer = swap_optimizer(_muon(list(params)), config)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        for param, reference_param in zip(params, reference.params, strict=True):
+            param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+            reference_param.grad = param.grad.clone()
+        reference.step()
+        optimizer.step()
+        reference.assert_matches(optimizer, params, f"step {step}")
+    swapped = [param for param in params if param.numel() >= 128]
+    numel = sum(param.numel() for param in swapped)
+    moved = sum(4 * param.numel() + remainder_nbytes(param.numel()) for param in swapped)
+    assert optimizer.stats.h2d_bytes == optimizer.stats.d2h_bytes == moved
+    assert moved / numel <= 6.25

@@ -85,7 +85,8 @@ class Verdict:
     job: Job
     device: DeviceBytes
     step: ModeledRow | None
-    """The swapped step at the recommended batch count (``None``: nothing is left for the swap)."""
+    """The swapped step after the backward at the recommended batch count (``None``: nothing is left for the
+    swap)."""
     iteration: IterationRow | None
     mode: StepPlace
     """Where the step runs: inside the backward where it is faster and its host bytes fit."""
@@ -93,6 +94,14 @@ class Verdict:
     """Pinned host bytes of a node stepping after the backward."""
     host_inside: int
     """The same stepping inside the backward (provisional updates keep a second copy of the states)."""
+    step_inside: ModeledRow | None = None
+    """The swapped step as it is inside the backward, where masters stay fp32 (``SwapConfig.master_remainders``);
+    the same as :attr:`step` without master weights."""
+
+    @property
+    def chosen_step(self) -> ModeledRow | None:
+        """The swapped step in :attr:`mode`."""
+        return self.step_inside if self.mode == "in_backward" else self.step
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -101,11 +110,12 @@ class Verdict:
 
     @property
     def device_peak(self) -> int:
-        return self.device.total + (self.step.device_peak_state_bytes if self.step is not None else 0)
+        step = self.chosen_step
+        return self.device.total + (step.device_peak_state_bytes if step is not None else 0)
 
     @property
     def fits_device(self) -> bool:
-        return self.step is not None and self.device_peak <= self.job.device_memory
+        return self.chosen_step is not None and self.device_peak <= self.job.device_memory
 
     @property
     def fits_host(self) -> bool:
@@ -123,8 +133,9 @@ class Verdict:
 
     def config_line(self) -> str:
         """The ``SwapConfig(...)`` to paste."""
-        assert self.step is not None
-        options = [] if self.step.batches == DEFAULT_SWAP_TIMES else [f"swap_times={self.step.batches}"]
+        step = self.chosen_step
+        assert step is not None
+        options = [] if step.batches == DEFAULT_SWAP_TIMES else [f"swap_times={step.batches}"]
         if self.job.master_weights:
             options.append("master_weights=True")
         if self.mode == "in_backward":
@@ -187,22 +198,26 @@ def judge(job: Job) -> Verdict:
             ranks_per_node=job.ranks_per_node,
         )
         iteration = model_iteration(spec)
-    after, inside = _host_bytes_per_node(job, step)
+    # Inside the backward masters stay fp32: its own staging and host bytes.
+    step_inside = _swapped_step(job, left, master_remainders=False) if step is not None and job.master_weights else step
+    after, inside = _host_bytes_per_node(job, step, step_inside)
     faster_inside = iteration is None or iteration.in_backward_seconds < iteration.after_backward_seconds
-    room_inside = job.host_memory is None or inside <= job.host_memory
+    room_inside = step_inside is not None and (job.host_memory is None or inside <= job.host_memory)
     mode: StepPlace = "in_backward" if faster_inside and room_inside else "after_backward"
-    return Verdict(job, device, step, iteration, mode, after, inside)
+    return Verdict(job, device, step, iteration, mode, after, inside, step_inside)
 
 
-def _swapped_step(job: Job, left: int) -> ModeledRow | None:
+def _swapped_step(job: Job, left: int, *, master_remainders: bool = True) -> ModeledRow | None:
     """The swapped step at ``SwapConfig``'s default batch count if its staging fits ``left`` bytes, else at the
-    fewest batches whose staging does; ``None`` if none does."""
+    fewest batches whose staging does; ``None`` if none does. ``master_remainders``: as
+    ``SwapConfig.master_remainders`` (``False``: fp32 masters, as inside the backward)."""
     options: dict[str, Any] = {
         "world": job.world,
         "link": job.link,
         "master_weights": job.master_weights,
         "ranks_per_node": job.ranks_per_node,
         "device_memory": left,
+        "master_remainders": master_remainders,
     }
     try:
         return plan_model(job.model, job.optimizer, swap_times=DEFAULT_SWAP_TIMES, **options)
@@ -215,14 +230,15 @@ def _swapped_step(job: Job, left: int) -> ModeledRow | None:
     return chosen
 
 
-def _host_bytes_per_node(job: Job, step: ModeledRow | None) -> tuple[int, int]:
-    """A node's pinned host bytes stepping after the backward and inside it (provisional updates: a second copy of
-    the states, and a copy of the parameters that keep no fp32 master)."""
-    if step is None:
-        return 0, 0
-    param_copies = 0 if job.master_weights else step.params * job.param_bytes
-    after = step.host_pinned_bytes
-    inside = after + step.host_state_bytes + param_copies
+def _host_bytes_per_node(job: Job, step: ModeledRow | None, inside_step: ModeledRow | None) -> tuple[int, int]:
+    """A node's pinned host bytes stepping after the backward (``step``) and inside it (``inside_step``, fp32
+    masters; provisional updates: a second copy of the states, and a copy of the parameters that keep no fp32
+    master)."""
+    after = step.host_pinned_bytes if step is not None else 0
+    inside = 0
+    if inside_step is not None:
+        param_copies = 0 if job.master_weights else inside_step.params * job.param_bytes
+        inside = inside_step.host_pinned_bytes + inside_step.host_state_bytes + param_copies
     return after * job.ranks_per_node, inside * job.ranks_per_node
 
 

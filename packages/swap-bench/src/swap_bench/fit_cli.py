@@ -133,7 +133,7 @@ def _headline(verdict: Verdict) -> str:
 
 
 def _memory_table(verdict: Verdict) -> Table:
-    job, device, step = verdict.job, verdict.device, verdict.step
+    job, device, step = verdict.job, verdict.device, verdict.chosen_step
     table = Table(title="Memory at the step's peak", title_justify="left", width=WIDTH)
     table.add_column("", no_wrap=True)
     table.add_column("bytes", justify="right", no_wrap=True)

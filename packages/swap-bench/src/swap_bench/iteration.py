@@ -66,6 +66,9 @@ class IterationModel:
     """A :data:`~swap_core.sim.LINK_PRESETS` name."""
     swap_times: int
     master_weights: bool = False
+    master_remainders: bool = True
+    """With ``master_weights``: ``SwapConfig.master_remainders`` (after the backward a bf16 master moves as the bits
+    its parameter lacks; ``False``: fp32 masters there too)."""
     ranks_per_node: int = 1
     """Ranks sharing one host's memory bandwidth (``LinkModel.ranks_sharing_host``), at most ``world``; 1: the
     preset as it stands, one rank alone on its host."""
@@ -189,6 +192,7 @@ def _timed_loop(spec: IterationModel, link: LinkModel, step: StepPlace | None) -
             swap_times=spec.swap_times,
             staging_buffers=spec.staging_buffers,
             master_weights=spec.master_weights,
+            master_remainders=spec.master_remainders,
             step=step,
         )
         optimizer = swap_optimizer(optimizer, config)

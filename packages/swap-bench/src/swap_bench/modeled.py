@@ -53,6 +53,9 @@ class StepModel:
     """A :data:`~swap_core.sim.LINK_PRESETS` name."""
     swap_times: int | Literal["auto"]
     master_weights: bool = False
+    master_remainders: bool = True
+    """``SwapConfig.master_remainders``: with ``master_weights``, a bf16 master swapped as the bits its parameter
+    lacks (2.125 bytes a parameter), else fp32 (4)."""
     ranks_per_node: int = 1
     """Ranks streaming through one host's memory as this one does (``LinkModel.ranks_sharing_host``): the rank's
     copies get the preset's host memory bandwidth divided by this."""
@@ -218,6 +221,7 @@ def _steady_swapped_step(
         duplex=model.duplex,
         staging_buffers=model.staging_buffers,
         master_weights=model.master_weights,
+        master_remainders=model.master_remainders,
         offload_fraction=offload_fraction,
     )
     swapped = swap_optimizer(model.optimizer.build(params, **model.optimizer_options), config)

@@ -95,13 +95,15 @@ def plan_model(
     ranks_per_node: int = 1,
     device_memory: int | None = None,
     staging_buffers: int = 2,
+    master_remainders: bool = True,
 ) -> ModeledRow:
     """Model rank ``rank``'s step for ``model`` sharded over ``world`` ranks by FSDP2, ``ranks_per_node`` of them
     sharing the host memory of the link preset ``link``; ``device_memory``: the device bytes the swap may use
     (``swap_times="auto"`` chooses the batches from them, and a staging beyond them is an out-of-memory);
     ``staging_buffers``: batches staged at a time (``SwapConfig.staging_buffers``).
 
-    Parameters are bf16 with ``master_weights`` (fp32 masters swapped with the states), fp32 otherwise.
+    Parameters are bf16 with ``master_weights`` (masters swapped with the states: as the bits the parameters lack,
+    or fp32 with ``master_remainders=False``, ``SwapConfig.master_remainders``), fp32 otherwise.
     The optimizer runs its foreach kernels (``foreach=True``, torch's default on CUDA), Muon its own;
     Muon over more than one rank is distributed Muon, stepped on FSDP2 DTensors in a fake process group.
     """
@@ -119,6 +121,7 @@ def plan_model(
         link,
         swap_times,
         master_weights=master_weights,
+        master_remainders=master_remainders,
         ranks_per_node=ranks_per_node,
         world=world,
         rank=rank,

@@ -97,6 +97,12 @@ class SwapConfig:
     swapped with the other states; the update runs on the masters with fp32 gradients and fp32 states, and
     each parameter is then set from its master. fp32 parameters are unaffected (see docs/master-weights.md)."""
 
+    master_remainders: bool = True
+    """With ``master_weights``: keep a bf16 parameter's master as the bits the parameter lacks
+    (``"master_remainder"``, 2.125 bytes a parameter instead of 4) where every update runs in ``step()`` (the step
+    after the backward); ``False``: fp32 masters everywhere (an edit of a parameter between steps is then
+    overwritten by its master, as in the reference loop). Results are bitwise the same either way."""
+
     prefetch: PrefetchMode = "off"
     """``"backward"``: the first batch's copy-in starts during the backward, as soon as every gradient of that batch
     is final (``opt.prefetch()`` from post-accumulate-grad hooks), and batches are walked in the order a backward
@@ -153,6 +159,7 @@ class SwapConfig:
         _require_bool("keep_staging", self.keep_staging)
         _require_bool("trace", self.trace)
         _require_bool("master_weights", self.master_weights)
+        _require_bool("master_remainders", self.master_remainders)
         _require_bool("undo_failed_steps", self.undo_failed_steps)
         _require_bool("free_gradients", self.free_gradients)
         _require_bool("provisional_updates", self.provisional_updates)

@@ -11,11 +11,11 @@ import torch
 from .adapters.base import StateInit, StateSwapAdapter
 from .dtensor import local_tensor, shard_layout
 from .errors import StateDictMismatchError
-from .master_weights.in_checkpoints import check_master_shape, master_from_param
+from .master_weights.in_checkpoints import check_master_shape, loaded_remainder, master_from_param, remainder_value
 from .master_weights.params import without_master
 from .master_weights.policy import Masters
 from .runtime.slots import SwapSlot, memory_stride
-from .runtime.state_keys import MASTER_KEY
+from .runtime.state_keys import MASTER_KEY, REMAINDER_KEY
 from .runtime.store import StateSource, StateStore
 from .runtime.tracked_state import TrackedState
 
@@ -34,6 +34,9 @@ class LoadedState:
     """bf16/fp16 parameters whose checkpoint had no master copy: theirs start as the live parameter."""
     low_precision_masters: int = 0
     """Masters the checkpoint held in a lower precision than fp32 (loaded as fp32, from their rounded values)."""
+    params_to_set: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """``(parameter, value)``: bf16 parameters whose loaded master is kept as its remainder, to set to the
+    master's cast when the load commits (the remainder is over it)."""
 
 
 def load_swapped_state(
@@ -90,16 +93,12 @@ def _stage_entry(
 ) -> None:
     """Check the saved state of ``param`` against the adapter and stage it in ``loaded`` (swapped values placed
     later, see :func:`load_swapped_state`)."""
+    _check_saved_master(loaded, masters, saved_id, saved_state, param)
     keeps_master = masters.keeps(param)
-    if MASTER_KEY in saved_state and not keeps_master:
-        raise StateDictMismatchError(masters.unexpected_master(saved_id, param))
     # What the update runs on: the parameter, or the fp32 master of a bf16/fp16 one.
     updated = masters.as_updated(param)
     # The options the loaded group will have: the checkpoint's, the live group's where it has none.
     loaded_group = {**group, **saved_group, "params": group["params"]}
-    if keeps_master and MASTER_KEY in saved_state:
-        check_master_shape(saved_id, param, saved_state[MASTER_KEY])
-        loaded.low_precision_masters += saved_state[MASTER_KEY].dtype != torch.float32
     if saved_state:
         problem = adapter.state_mismatch(updated, loaded_group, without_master(saved_state))
         if problem is not None:
@@ -110,15 +109,41 @@ def _stage_entry(
     expected = {} if adapter.lazy_states else adapter.initial_state(updated, group)
     entry = loaded.state[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
     new = loaded.swapped
+    as_remainder = masters.keeps_remainder(param)
     for key, value in saved_state.items():
+        if key == MASTER_KEY and as_remainder:
+            packed, cast = loaded_remainder(param, value)
+            entry[REMAINDER_KEY] = remainder_value(store, new, param, packed)
+            loaded.params_to_set.append((param, cast))
+            continue
         # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
         entry[key] = _stage_value(
             store, new, param, updated.dtype, saved_group, key, value, expected.get(key), saved_id
         )
     if keeps_master and saved_state and MASTER_KEY not in saved_state:
         # A plain checkpoint: the master starts as the live parameter (the checkpoint's own weights, loaded).
-        entry[MASTER_KEY] = master_from_param(store, new, param)
+        key, entry_value = master_from_param(store, new, param, as_remainder=as_remainder)
+        entry[key] = entry_value
         loaded.masters_from_params += 1
+
+
+def _check_saved_master(
+    loaded: LoadedState, masters: Masters, saved_id: object, saved_state: Mapping[str, Any], param: torch.Tensor
+) -> None:
+    """Refuse a saved master ``param`` keeps none for, one of another shape, or the in-memory remainder form; count
+    a master saved in a lower precision."""
+    keeps_master = masters.keeps(param)
+    if MASTER_KEY in saved_state and not keeps_master:
+        raise StateDictMismatchError(masters.unexpected_master(saved_id, param))
+    if REMAINDER_KEY in saved_state:
+        raise StateDictMismatchError(
+            f"Loaded state dict: the state of parameter {saved_id!r} has {REMAINDER_KEY!r}, the form a SwapOptimizer "
+            f"keeps a master in between steps, which checkpoints never hold (state_dict() saves it as the fp32 "
+            f"{MASTER_KEY!r}); load a state dict made by state_dict(); nothing was loaded"
+        )
+    if keeps_master and MASTER_KEY in saved_state:
+        check_master_shape(saved_id, param, saved_state[MASTER_KEY])
+        loaded.low_precision_masters += saved_state[MASTER_KEY].dtype != torch.float32
 
 
 def saved_param_ids(

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.state_keys import MASTER_KEY
+from .fp32_view import master_of
 from .params import MASTER_DTYPE, has_master
 
 __all__ = ["master_state_dict"]
@@ -24,12 +24,9 @@ def master_state_dict(module: torch.nn.Module, *optimizers: torch.optim.Optimize
     """
     masters: dict[int, torch.Tensor] = {}
     for optimizer in optimizers:
-        synchronize = getattr(optimizer, "synchronize", None)
-        if callable(synchronize):
-            synchronize()
-        for param, state in optimizer.state.items():
-            master = state.get(MASTER_KEY)
-            if isinstance(master, torch.Tensor):
+        for param in [param for group in optimizer.param_groups for param in group["params"]]:
+            master = master_of(optimizer, param)  # either form, as fp32
+            if master is not None:
                 masters[id(param)] = master
     exported = dict(module.state_dict())
     for name, param in module.named_parameters(remove_duplicate=False):  # every name of a tied parameter

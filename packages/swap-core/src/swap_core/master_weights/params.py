@@ -8,16 +8,20 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..runtime.state_keys import MASTER_KEY
+from ..dtensor import local_tensor
+from ..runtime.state_keys import MASTER_KEY, MASTER_KEYS, REMAINDER_KEY
+from .remainder import has_remainder_form, remainder_nbytes
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
     "MASTER_DTYPE",
     "MasterPair",
     "has_master",
+    "keeps_remainder",
     "listed_keys",
     "master_problem",
     "model_param",
+    "remainder_problem",
     "stand_in",
     "without_master",
 ]
@@ -41,6 +45,13 @@ def has_master(param: torch.Tensor) -> bool:
     return param.dtype in LOW_PRECISION_DTYPES
 
 
+def keeps_remainder(param: torch.Tensor) -> bool:
+    """Whether ``param``'s master can be kept as its remainder (:mod:`~swap_core.master_weights.remainder`): a bf16
+    parameter (of a DTensor, its local shard) in contiguous memory, so that its master is too (a channels-last
+    parameter keeps an fp32 master in its own memory order)."""
+    return has_remainder_form(param.dtype) and local_tensor(param).is_contiguous()
+
+
 def stand_in(param: torch.Tensor) -> torch.Tensor:
     """An fp32 tensor with ``param``'s shape and device that holds one element (expanded).
 
@@ -61,8 +72,8 @@ def model_param(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def without_master(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` without its master copy: what the family's own update reads."""
-    return {key: value for key, value in state.items() if key != MASTER_KEY}
+    """``state`` without its master copy (in either form): what the family's own update reads."""
+    return {key: value for key, value in state.items() if key not in MASTER_KEYS}
 
 
 def master_problem(param: torch.Tensor, state: Mapping[str, Any]) -> str | None:
@@ -80,6 +91,30 @@ def master_problem(param: torch.Tensor, state: Mapping[str, Any]) -> str | None:
             f"has {MASTER_KEY!r} of {master.dtype} and shape {tuple(master.shape)}, but the master of this "
             f"{param.dtype} parameter is {MASTER_DTYPE} of shape {tuple(param.shape)}{_LOAD_HINT}"
         )
+    return _fp32_states_problem(state)
+
+
+def remainder_problem(param: torch.Tensor, state: Mapping[str, Any]) -> str | None:
+    """Why the non-empty ``state`` of a bf16 ``param`` whose master is kept as its remainder cannot be used, or
+    ``None``: the remainder must be there, ``uint8`` of :func:`~swap_core.master_weights.remainder.remainder_nbytes`
+    bytes, with no fp32 master beside it, and every other floating state fp32."""
+    packed = state.get(REMAINDER_KEY)
+    nbytes = remainder_nbytes(local_tensor(param).numel())
+    if not isinstance(packed, torch.Tensor) or MASTER_KEY in state:
+        return (
+            f"has no {REMAINDER_KEY!r} (its master's remainder; it has {listed_keys(state)}){_LOAD_HINT}"
+            if MASTER_KEY not in state
+            else f"has an fp32 {MASTER_KEY!r} where its master is kept as {REMAINDER_KEY!r}{_LOAD_HINT}"
+        )
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (nbytes,):
+        return (
+            f"has {REMAINDER_KEY!r} of {packed.dtype} and shape {tuple(packed.shape)}, but the remainder of this "
+            f"parameter's master is uint8 of shape ({nbytes},){_LOAD_HINT}"
+        )
+    return _fp32_states_problem(state)
+
+
+def _fp32_states_problem(state: Mapping[str, Any]) -> str | None:
     for key, value in state.items():
         if key == "step" or not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() == 0:
             continue

@@ -18,15 +18,25 @@ import torch
 
 from ..adapters.base import StateInit, StateSwapAdapter, UpdateBatch
 from ..backends.protocol import DeviceBackend
+from ..dtensor import local_tensor
 from ..errors import UnsupportedOptimizerError
 from ..runtime.slots import SwapSlot
-from ..runtime.state_keys import MASTER_KEY
+from ..runtime.state_keys import MASTER_KEY, REMAINDER_KEY
 from .in_checkpoints import masters_set_aside, unexpected_master
 from .outside_step import outside_step_on_masters
-from .params import MASTER_DTYPE, has_master, master_problem, stand_in, without_master
+from .params import (
+    MASTER_DTYPE,
+    has_master,
+    keeps_remainder,
+    master_problem,
+    remainder_problem,
+    stand_in,
+    without_master,
+)
+from .remainder import remainder_nbytes
 from .update import UpdateOnMasters, params_as_masters
 
-__all__ = ["BatchUpdate", "FP32Masters", "Masters", "NoMasters", "masters_policy"]
+__all__ = ["BatchUpdate", "FP32Masters", "Masters", "NoMasters", "RemainderMasters", "masters_policy"]
 
 _LOG = logging.getLogger("swap_core")
 
@@ -46,6 +56,10 @@ class NoMasters:
 
     def keeps(self, param: torch.Tensor) -> bool:
         """Whether ``param`` keeps a master: never."""
+        return False
+
+    def keeps_remainder(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s master is kept as its remainder: never."""
         return False
 
     def as_updated(self, param: torch.Tensor) -> torch.Tensor:
@@ -105,6 +119,10 @@ class FP32Masters:
     def keeps(self, param: torch.Tensor) -> bool:
         """Whether ``param`` keeps a master (a bf16/fp16 parameter)."""
         return has_master(param)
+
+    def keeps_remainder(self, param: torch.Tensor) -> bool:
+        """Whether a new master of ``param`` is kept as its remainder: never, an fp32 master."""
+        return False
 
     def as_updated(self, param: torch.Tensor) -> torch.Tensor:
         """What the update runs on, as the adapter is asked about it: an fp32 stand-in of a master's parameter."""
@@ -171,9 +189,42 @@ class FP32Masters:
         return unexpected_master(saved_id, param, master_weights=True)
 
 
+class RemainderMasters(FP32Masters):
+    """``master_weights=True`` where the update runs in ``step()`` only: a bf16 parameter keeps its master as the bits
+    it lacks (``"master_remainder"``, 2.125 bytes a parameter instead of 4, a DTensor's of its local shard, swapped
+    with the states); the update rebuilds the master on the device, runs on it, sets the parameter and splits the
+    master back. Other parameters keep an fp32 master (fp16 ones, channels-last ones). A state holding either form
+    is used as it is."""
+
+    state_keys: tuple[str, ...] = (MASTER_KEY, REMAINDER_KEY)
+
+    def keeps_remainder(self, param: torch.Tensor) -> bool:
+        """Whether a new master of ``param`` (made fresh, from a parameter or loaded) is kept as its remainder."""
+        return keeps_remainder(param)
+
+    def fresh_master(self, param: torch.Tensor) -> dict[str, StateInit]:
+        """A bf16 parameter's fresh master in remainder form: all zeros (the parameter is its master, exactly)."""
+        if not keeps_remainder(param):
+            return super().fresh_master(param)
+        nbytes = remainder_nbytes(local_tensor(param).numel())  # of this rank's shard: held whole, not sharded
+        return {REMAINDER_KEY: StateInit((nbytes,), torch.uint8, shard_like_param=False)}
+
+    def state_problem(
+        self, param: torch.Tensor, state: Mapping[str, Any], *, to_make: bool
+    ) -> tuple[str | None, Mapping[str, Any]]:
+        """As :meth:`FP32Masters.state_problem`, the master in the form the state holds it."""
+        if not has_master(param) or REMAINDER_KEY not in state:
+            return super().state_problem(param, state, to_make=to_make)
+        return remainder_problem(param, state), without_master(state)
+
+
 Masters = NoMasters | FP32Masters
 
 
-def masters_policy(master_weights: bool) -> Masters:
-    """The master-weights policy ``SwapConfig.master_weights`` asks for."""
-    return FP32Masters() if master_weights else NoMasters()
+def masters_policy(master_weights: bool, *, in_step_only: bool = False) -> Masters:
+    """The master-weights policy ``SwapConfig.master_weights`` asks for; ``in_step_only``: every update runs in
+    ``step()`` over the states the step swaps in (no update taken back after it wrote its parameters, no method
+    of the optimizer run outside ``step()``), where a master may be kept as its remainder."""
+    if not master_weights:
+        return NoMasters()
+    return RemainderMasters() if in_step_only else FP32Masters()

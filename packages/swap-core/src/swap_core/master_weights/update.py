@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from ..adapters.base import StateSwapAdapter, UpdateBatch
+from ..dtensor import local_tensor, shard_layout, wrap_local
 from ..errors import SwapStateError
-from ..runtime.state_keys import MASTER_KEY
+from ..runtime.state_keys import MASTER_KEY, MASTER_KEYS, REMAINDER_KEY
 from ..runtime.tracked_state import TrackedState
 from .params import MASTER_DTYPE, MasterPair, has_master, listed_keys, stand_in, without_master
+from .remainder import MasterRemainder, rebuild_master, split_master
 
 __all__ = ["OnMasters", "UpdateOnMasters", "masters_presented", "on_masters", "params_as_masters"]
 
@@ -34,6 +36,9 @@ class OnMasters:
     pairs: list[MasterPair]
     """``(parameter, master)`` of each parameter to set from its master once the update ran."""
     _copies: list[tuple[dict[str, Any], dict[str, Any]]]
+    _remainders: dict[int, MasterRemainder] = dataclasses.field(default_factory=dict)
+    """The device copy of the remainder each master in remainder form was rebuilt from, by the master's id: the
+    updated master is split back into it."""
 
     def write_back(self) -> None:
         """What the update wrote to the state copies, into the state dicts (keys set, replaced or removed)."""
@@ -41,14 +46,18 @@ class OnMasters:
             for key, value in copied.items():
                 if state.get(key) is not value:
                     state[key] = value
-            for key in [key for key in state if key != MASTER_KEY and key not in copied]:
+            for key in [key for key in state if key not in MASTER_KEYS and key not in copied]:
                 del state[key]
 
     def set_params(self) -> None:
-        """``param.copy_(master)`` for each pair: the parameter rounds its updated master to nearest even."""
+        """``param.copy_(master)`` for each pair: the parameter rounds its updated master to nearest even; a master
+        in remainder form is then split back into its remainder (the bits the parameter lacks)."""
         with torch.no_grad():
             for param, master in self.pairs:
                 param.copy_(master)
+                remainder = self._remainders.get(id(master))
+                if remainder is not None:
+                    split_master(local_tensor(master), local_tensor(param.detach()), out=remainder)
 
 
 def on_masters(
@@ -67,6 +76,7 @@ def on_masters(
     update_states: list[dict[str, Any]] = []
     pairs: list[MasterPair] = []
     copies: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    remainders: dict[int, MasterRemainder] = {}
     for param, grad, state in zip(params, grads, states, strict=True):
         if not has_master(param):
             update_params.append(param)
@@ -74,6 +84,12 @@ def on_masters(
             update_states.append(state)
             continue
         master = state.get(MASTER_KEY)
+        packed = state.get(REMAINDER_KEY)
+        if isinstance(packed, torch.Tensor) and master is None:
+            local = local_tensor(param.detach())
+            remainder = MasterRemainder.packed(packed, local.numel())
+            master = wrap_local(rebuild_master(local, remainder), shard_layout(param))
+            remainders[id(master)] = remainder
         if not isinstance(master, torch.Tensor):  # never update the low-precision parameter itself instead
             raise SwapStateError(
                 f"The {param.dtype} parameter of shape {tuple(param.shape)} has no {MASTER_KEY!r} in its state "
@@ -86,7 +102,7 @@ def on_masters(
         update_states.append(copied)
         pairs.append((param, master))
         copies.append((state, copied))
-    return OnMasters(update_params, update_grads, update_states, list(params), pairs, copies)
+    return OnMasters(update_params, update_grads, update_states, list(params), pairs, copies, remainders)
 
 
 class UpdateOnMasters:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ..adapters.base import StateSwapAdapter
-from ..runtime.state_keys import MASTER_KEY
+from ..dtensor import local_tensor
+from ..runtime.state_keys import MASTER_KEY, MASTER_KEYS
 from ..state_dict_loading import load_swapped_state
 from ..torch_compat import (
     LOAD_STATE_DICT_HOOKS,
@@ -92,7 +93,7 @@ def make_masters_of_existing_states(sync: StateSync, adapter: StateSwapAdapter, 
     lacking = [
         param
         for param in sync.ordered_params()
-        if masters.keeps(param) and state.get(param) and MASTER_KEY not in state[param]
+        if masters.keeps(param) and state.get(param) and MASTER_KEYS.isdisjoint(state[param])
     ]
     if not lacking:
         return
@@ -127,3 +128,7 @@ def _load_swapped(
     # defaults missing from older checkpoints (and AdamW forces decoupled weight decay).
     sync.optimizer.__setstate__({"state": state, "param_groups": groups})
     sync.commit_load(store, state, ordered)
+    # A master loaded as its remainder is over its cast: the parameter becomes it (the master's top bits).
+    with torch.no_grad():
+        for param, cast in staged.params_to_set:
+            local_tensor(param).copy_(cast)

@@ -94,8 +94,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.config = config
         self._adapter_factory = adapter_factory
-        self._masters = masters_policy(config.master_weights)
-        self.adapter: StateSwapAdapter = make_adapter(optimizer, self._masters, adapter_factory)
+        self.adapter: StateSwapAdapter = make_adapter(optimizer, masters_policy(config.master_weights), adapter_factory)
+        # Masters as remainders only where every update runs in step() (none taken back after writing its parameters,
+        # none run outside it): see master_weights/policy.py.
+        in_step_only = config.step == "after_backward" and not self.adapter.outside_step_methods
+        self._masters = masters_policy(config.master_weights, in_step_only=in_step_only and config.master_remainders)
         check_outside_step_methods(type(self), optimizer, self.adapter)
         self.backend: DeviceBackend | None = select_backend(
             config.backend, ordered_params(optimizer.param_groups), master_weights=config.master_weights

@@ -15,8 +15,10 @@ from ..adapters.overrides import check_instance_step
 from ..backends.protocol import DeviceBackend
 from ..config import SwapConfig
 from ..errors import UnsupportedOptimizerError
+from ..master_weights.fp32_view import fp32_masters
 from ..master_weights.policy import Masters
 from ..runtime.auto_batches import AUTO_NEEDS_MEMORY
+from ..runtime.state_keys import MASTER_KEY, REMAINDER_KEY
 from ..torch_compat import remove_hooks
 
 __all__ = [
@@ -178,6 +180,8 @@ def swap_keys(
     if unknown:
         valid = list(known or ())
         raise ValueError(f"Unknown state_keys {unknown} for {type(optimizer).__name__}; swappable keys are {valid}")
+    if MASTER_KEY in requested and REMAINDER_KEY in masters.state_keys and REMAINDER_KEY not in requested:
+        return (*requested, REMAINDER_KEY)  # the master, in whichever form it is kept
     return requested
 
 
@@ -233,14 +237,15 @@ def synchronized(wrapper: Wrapper) -> Callable[[torch.optim.Optimizer], None]:
 
 
 def exported(adapter: StateSwapAdapter) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
-    """State-dict post-hook: the adapter's checkpoint form of the state (see ``export_state_dict``)."""
+    """State-dict post-hook: the checkpoint form of the state, masters as fp32 (``fp32_masters``), then the
+    adapter's (see ``export_state_dict``)."""
     return _tagged(functools.partial(_export_state_dict, adapter))
 
 
 def _export_state_dict(
     adapter: StateSwapAdapter, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> dict[str, Any]:
-    return adapter.export_state_dict(state_dict)
+    return adapter.export_state_dict(fp32_masters(optimizer, state_dict))
 
 
 def check_states(

@@ -10,7 +10,9 @@ import torch
 
 from ..adapters.base import StateInit
 from ..dtensor import local_tensor
+from ..master_weights.remainder import remainder_numel
 from .slots import is_swappable, is_swappable_dtype
+from .state_keys import REMAINDER_KEY
 
 __all__ = ["SwapDecisions"]
 
@@ -56,12 +58,17 @@ class SwapDecisions:
         """The bytes of a state that may be swapped (its key, dtype and size allow it), else ``None``."""
         if self.swap_keys is not None and key not in self.swap_keys:
             return None
+        # A master's remainder counts as many elements as its master for min_numel (it goes with the moments).
+        min_numel = self.min_numel
         if isinstance(template, StateInit):
             numel = torch.Size(template.shape).numel()
-            eligible = is_swappable_dtype(template.dtype) and numel >= max(self.min_numel, 1)
+            counted = remainder_numel(numel) if key == REMAINDER_KEY else numel
+            eligible = is_swappable_dtype(template.dtype) and counted >= max(min_numel, 1)
             nbytes = numel * template.dtype.itemsize
         else:
             local = local_tensor(template)
-            eligible = is_swappable(local, min_numel=self.min_numel)
+            if key == REMAINDER_KEY:
+                min_numel = local.numel() if remainder_numel(local.numel()) >= min_numel else local.numel() + 1
+            eligible = is_swappable(local, min_numel=min_numel)
             nbytes = local.numel() * local.element_size()
         return nbytes if eligible else None

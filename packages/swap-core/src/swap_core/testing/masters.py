@@ -25,6 +25,7 @@ import torch
 
 from ..backends.protocol import DeviceBackend
 from ..dtensor import shard_layout
+from ..master_weights.fp32_view import with_fp32_master
 from ..master_weights.params import has_master
 from ..optimizer import SwapOptimizer
 from ..runtime.state_keys import MASTER_KEY
@@ -154,7 +155,7 @@ class MasterReference:
         for index, (expected, actual) in enumerate(zip(self.params, params, strict=True)):
             assert_bitwise_equal(expected, actual, f"{where}: parameter {index}")
             expected_state = self.state_of(expected)
-            actual_state = optimizer.state.get(actual, {})
+            actual_state = with_fp32_master(actual, optimizer.state.get(actual, {}))  # either form, as fp32
             assert sorted(actual_state) == sorted(expected_state), (
                 f"{where}: parameter {index} has state keys {sorted(actual_state)}, expected {sorted(expected_state)}"
             )
