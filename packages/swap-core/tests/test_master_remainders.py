@@ -8,6 +8,7 @@ after the backward); here are the behaviours of the form itself.
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -200,3 +201,23 @@ def test_the_remainder_form_is_kept_where_every_update_runs_in_step(options: dic
     train(reference, optimizer, params, range(2))
     reference.assert_matches(optimizer, params, str(options))
     assert form in optimizer.state[params[0]]
+
+
+def test_an_optimizer_collected_with_its_copy_outs_in_flight_leaves_a_twin_unharmed() -> None:
+    """``del opt; gc.collect()`` right after a step whose remainders' copy-outs are still queued (the lazy
+    simulator runs nothing until asked): the collection waits for them, the simulator sees no race on the freed
+    host memory, and a twin stepping on the same backend afterwards is bitwise the reference."""
+    sim = SimBackend(mode="lazy")
+    params = make_params()
+    optimizer = swapped(params, backend=sim)
+    train(MasterReference(make_params(), adamw), optimizer, params, range(2))
+    del optimizer
+    gc.collect()
+    sim.synchronize()
+    assert not sim.races
+    twin_params = make_params()
+    twin = swapped(twin_params, backend=sim)
+    reference = MasterReference(make_params(), adamw)
+    train(reference, twin, twin_params, range(3))
+    reference.assert_matches(twin, twin_params, "a twin after the collection")
+    assert not sim.races
