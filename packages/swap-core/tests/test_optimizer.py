@@ -519,6 +519,23 @@ def test_adapter_checkpoint_form_is_what_state_dict_and_load_state_dict_exchange
     opt.step()
 
 
+def test_nothing_swapped_keeps_the_checkpoint_form_of_the_wrapped_optimizer() -> None:
+    """With nothing swapped (CPU parameters, backend="auto") the wrapped optimizer's own step keeps its state in its
+    own layout: the adapter's checkpoint glue, which is for a live layout of its own, is not applied either way."""
+    params, plain_params = make_params(), make_params()
+    opt = SwapOptimizer(torch.optim.RMSprop(params, lr=1e-2), SwapConfig(backend="auto"), _TaggingAdapter)
+    plain = torch.optim.RMSprop(plain_params, lr=1e-2)
+    assert opt.backend is None
+    for step in range(2):
+        for some_params, optimizer in ((params, opt), (plain_params, plain)):
+            set_grads(some_params, step)
+            optimizer.step()
+    saved = opt.state_dict()
+    assert_state_dicts_equal(plain.state_dict(), saved, "the unswapped optimizer's state dict")
+    opt.load_state_dict(through_torch_save(plain.state_dict()))  # a plain checkpoint: no tag to strip
+    assert all(set(opt.state[param]) == {"step", "square_avg"} for param in params)
+
+
 def test_step_keeps_no_reference_to_the_gradients() -> None:
     """zero_grad(set_to_none=True) frees gradient memory: the swapped step must not hold on to gradients."""
     import weakref

@@ -219,6 +219,8 @@ class StateSwapAdapter(abc.ABC):
         than the plain optimizer's (distributed Muon keeps whole matrices on owner ranks; a checkpoint
         holds every rank's shard). Runs on every rank alike, so it may run collectives. Swapped tensors
         in ``state_dict`` are the host mirrors: return new tensors, never modify them. Default: unchanged.
+        Not applied when nothing is swapped (CPU parameters, ``backend="auto"``): the wrapped optimizer's own step
+        then keeps its state, in its own layout.
         """
         return state_dict
 
@@ -227,7 +229,8 @@ class StateSwapAdapter(abc.ABC):
 
         ``state`` may be keyed by the ids of ``state_dict()`` or by FQNs (torch.distributed.checkpoint);
         ``swap_core.state_dict_loading.saved_param_ids`` pairs them with the live parameters. Must not
-        modify the live state (loading checks everything before committing). Default: unchanged.
+        modify the live state (loading checks everything before committing). Default: unchanged. Not applied when
+        nothing is swapped, as :meth:`export_state_dict`.
         """
         return state_dict
 

@@ -53,7 +53,8 @@ def load_state_dict(
     state_dict: Mapping[str, Any],
 ) -> None:
     """:meth:`SwapOptimizer.load_state_dict` of ``wrapper`` over ``optimizer``: the load hooks run once, given
-    ``wrapper``, on every path; ``sync`` is ``None`` when nothing is swapped."""
+    ``wrapper``, on every path; ``sync`` is ``None`` when nothing is swapped (the checkpoint then loads as it is:
+    the adapter's ``import_state_dict`` is for a live layout of its own, which an unswapped optimizer never has)."""
     if sync is not None:
         sync.await_offloads()
     # The wrapped optimizer's own load_state_dict (CPU parameters, or a class with its own) would run the same
@@ -65,8 +66,8 @@ def load_state_dict(
         if result is not None:
             state_dict = result
     with hook_registries_set_aside(optimizer, LOAD_STATE_DICT_HOOKS):
-        if sync is None:
-            optimizer.load_state_dict(dict(adapter.import_state_dict(state_dict)))
+        if sync is None:  # nothing swapped: the wrapped optimizer's step keeps its state in its own layout
+            optimizer.load_state_dict(dict(state_dict))
         elif overrides(optimizer, "load_state_dict"):
             # Its own format and casting rules (bitsandbytes keeps uint8 codes uint8): its own method loads, and
             # the loaded state is then taken over into host memory, as after a load through the wrapped optimizer.

@@ -19,6 +19,7 @@ from ..master_weights.fp32_view import fp32_masters
 from ..master_weights.policy import Masters
 from ..runtime.auto_batches import AUTO_NEEDS_MEMORY
 from ..runtime.state_keys import MASTER_KEY, REMAINDER_KEY
+from ..runtime.tracked_state import TrackedState
 from ..torch_compat import remove_hooks
 
 __all__ = [
@@ -238,13 +239,16 @@ def synchronized(wrapper: Wrapper) -> Callable[[torch.optim.Optimizer], None]:
 
 def exported(adapter: StateSwapAdapter) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
     """State-dict post-hook: the checkpoint form of the state, masters as fp32 (``fp32_masters``), then the
-    adapter's (see ``export_state_dict``)."""
+    adapter's (see ``export_state_dict``); the state as it is where the swap runtime does not keep it (nothing
+    swapped: the wrapped optimizer's own step keeps it in its own layout)."""
     return _tagged(functools.partial(_export_state_dict, adapter))
 
 
 def _export_state_dict(
     adapter: StateSwapAdapter, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> dict[str, Any]:
+    if not isinstance(optimizer.state, TrackedState):
+        return state_dict
     return adapter.export_state_dict(fp32_masters(optimizer, state_dict))
 
 
