@@ -6,7 +6,8 @@ state; counts the parameters of each group; keeps states as nested dicts of tens
 every such optimizer was refused at its first step (a batch over the other group wrote nothing into the first), and
 the others were refused with "not per-parameter" and, where the step failed apart, an autograd explanation that did
 not apply, never naming what blocked. Now the bookkeeping that the batches holding a group's parameters agree on is
-swapped bitwise, and every refusal names the key, the group and the parameter that blocked, and the fix.
+swapped bitwise, nested dicts of tensors included (test_generic_nested_states.py), and every refusal names the key,
+the group and the parameter that blocked, and the fix.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class CountsParameters(_Modern):
 
 
 class NestedStates(_Modern):
-    """Keeps each parameter's moments in a nested dict of tensors."""
+    """Keeps each parameter's moments in a nested dict of tensors (and its step count in its groups)."""
 
     def _moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.state[param]
@@ -159,27 +160,29 @@ SCHEDULES = {
 @pytest.mark.parametrize("prefetch", ["off", "backward"])
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_group_bookkeeping_the_batches_agree_on_is_swapped_bitwise(schedule: str, packed: bool, prefetch: str) -> None:
+@pytest.mark.parametrize("make", [GroupBookkeeping, NestedStates], ids=["group_bookkeeping", "and_nested_states"])
+def test_group_bookkeeping_the_batches_agree_on_is_swapped_bitwise(
+    make: Callable[[Any], torch.optim.Optimizer], schedule: str, packed: bool, prefetch: str
+) -> None:
     twin_params, params = _params(), _params()
-    twin = GroupBookkeeping(_groups(twin_params))
+    twin = make(_groups(twin_params))
     config = SwapConfig(backend=SCHEDULES[schedule](), swap_times=4, min_numel=16, packed=packed, prefetch=prefetch)
-    swapped = swap_optimizer(GroupBookkeeping(_groups(params)), config)
+    swapped = swap_optimizer(make(_groups(params)), config)
     _run(twin_params, twin, range(5))
     _run(params, swapped, range(5))
     _assert_as_twin(params, swapped, twin_params, twin)
     assert [group["step"] for group in swapped.param_groups] == [group["step"] for group in twin.param_groups]
 
 
-def test_group_bookkeeping_inside_the_backward() -> None:
+@pytest.mark.parametrize("make", [GroupBookkeeping, NestedStates], ids=["group_bookkeeping", "and_nested_states"])
+def test_group_bookkeeping_inside_the_backward(make: Callable[[Any], torch.optim.Optimizer]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     twin_model = copy.deepcopy(model)
-    twin = GroupBookkeeping(
-        [{"params": list(twin_model[0].parameters())}, {"params": list(twin_model[1].parameters())}]
-    )
+    twin = make([{"params": list(twin_model[0].parameters())}, {"params": list(twin_model[1].parameters())}])
     config = SwapConfig(backend=SimBackend(mode="random", seed=1), swap_times=3, min_numel=8, step="in_backward")
     groups = [{"params": list(model[0].parameters())}, {"params": list(model[1].parameters())}]
-    swapped = swap_optimizer(GroupBookkeeping(groups), config)
+    swapped = swap_optimizer(make(groups), config)
     inputs = torch.randn(4, 16)
     for _ in range(4):
         for some_model, optimizer in ((twin_model, twin), (model, swapped)):
@@ -207,11 +210,6 @@ REFUSED: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], str]] = {
         CountsParameters,
         r"wrote param group 0's 'param_count' differently \(2 against 1\): the step writes it from the parameters it "
         r"is given \(2 for two stand-in parameters stepped together, 1 for each alone\)",
-    ),
-    "nested_states": (
-        NestedStates,
-        r"keeps state 'moments' as a dict of tensors \('exp_avg', 'exp_avg_sq'\) \(param group 0's parameter 0, "
-        r"shape \(16, 20\).*Keep each as a key of the state \(state\['exp_avg'\]\)",
     ),
     "all_habits": (AllHabits, r"keeps 'step' only in the state of its group's first parameter"),
 }

@@ -29,6 +29,14 @@ from swap_core.master_weights import masters_presented, model_param
 from swap_core.torch_compat import step_hooks_silenced
 
 from .group_recheck import group_switch, snapshot
+from .nested_states import (
+    SEPARATOR,
+    flat_state,
+    flat_state_dict,
+    flatten_in_place,
+    nested_for_the_step,
+    nested_state_dict,
+)
 from .probe import ProbeVerdict, probe_step
 from .third_party import outside_step_methods, third_party_refusal
 from .torch_compat import unhooked_step
@@ -76,6 +84,9 @@ class GenericAdapter(StateSwapAdapter):
             raise UnsupportedOptimizerError(f"{type(optimizer).__name__} cannot be swapped: {refusal}")
         self.created_keys, verdict = _probed_state_keys(optimizer)
         self._param_shaped_keys = verdict.param_shaped_keys
+        self._nests = verdict.nests
+        """The state keys that hold nested dicts of tensors and numbers, kept flat between steps
+        (:mod:`.nested_states`)."""
         self.needs_parameter_order = _order_needed(verdict)
         self._later_keys: set[str] = set(verdict.later_keys)
         """Keys the step adds to a state, or removes from it, after the step that created it (seen by the probe or
@@ -84,6 +95,7 @@ class GenericAdapter(StateSwapAdapter):
         """The group values last probed or stepped: a switch since is probed again (:mod:`.group_recheck`)."""
         # Schedule-free's train()/eval() move the parameters between its sequences: run through the SwapOptimizer.
         self.outside_step_methods = outside_step_methods(optimizer)
+        _refuse_nests_read_outside_step(optimizer, self._nests, self.outside_step_methods)
         self._step = unhooked_step(optimizer)
         # By identity: a tensor's == is elementwise. Weak: a parameter dropped from the model is forgotten.
         self._signatures = WeakIdKeyDictionary()
@@ -95,7 +107,7 @@ class GenericAdapter(StateSwapAdapter):
             for param in group["params"]:
                 state = optimizer.state.get(param)
                 if state:
-                    self._signatures[param] = _signature(optimizer, state)
+                    self._signatures[param] = _signature(optimizer, flat_state(state))
 
     def initial_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor | StateInit]:
         raise UnsupportedOptimizerError(
@@ -163,6 +175,7 @@ class GenericAdapter(StateSwapAdapter):
                 "value set (its batches then follow torch's order, after the backward)"
             )
         self._later_keys.update(verdict.later_keys)
+        self._nests |= verdict.nests
         self._probed_groups = snapshot(self.optimizer.param_groups)
 
     def update(self, batch: UpdateBatch) -> None:
@@ -179,14 +192,14 @@ class GenericAdapter(StateSwapAdapter):
         fresh = [] if all(batch.states) else self._fresh(batch)
         keys_before = sum(map(len, batch.states))  # a key added to a state later (an SWA average) changes it
         if batch.model_params is None:
-            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+            self._nested_step(batch)
             if not fresh and sum(map(len, batch.states)) == keys_before:
                 return
-            created = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
+            created = self._created(fresh)
         else:
             with masters_presented(self.optimizer, batch):
-                self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
-                created = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
+                self._nested_step(batch)
+                created = self._created(fresh)
         if sum(map(len, batch.states)) != keys_before + sum(len(state) for _, state in created):
             self._follow_later_keys(batch, {id(owner) for _, owner in fresh})
         for owner, state in created:
@@ -194,6 +207,22 @@ class GenericAdapter(StateSwapAdapter):
             self._warn_about_subclass_states(state)
             if signature:  # an optimizer may keep no state for a parameter (plain SGD)
                 self._signatures[owner] = signature
+
+    def _nested_step(self, batch: UpdateBatch) -> None:
+        """The narrowed step over ``batch``, its states in the nested form the optimizer keeps them in (flat again
+        after: :mod:`.nested_states`)."""
+        if not self._nests:
+            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+            return
+        with nested_for_the_step(batch.states, self._nests) as found:
+            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+        self._nests |= found  # a nested dict the step added to a state
+
+    def _created(self, fresh: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """``(model param, state)`` of the states the step just created for ``fresh``, in their flat form."""
+        created = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
+        self._nests |= flatten_in_place(state for _, state in created)
+        return created
 
     def _follow_later_keys(self, batch: UpdateBatch, fresh: set[int]) -> None:
         """The step added keys to (or removed keys from) states it had created before: those keys become ones a
@@ -236,6 +265,9 @@ class GenericAdapter(StateSwapAdapter):
         Unknown (``None``) for a parameter that had none and was never stepped: a checkpoint loaded
         into a fresh optimizer is then taken as it is, as torch's load takes it.
         """
+        nest = next((key for key, value in state.items() if isinstance(value, dict)), None)
+        if nest is not None:
+            return _nested_in_live_state(nest, state[nest])
         signature: StateSignature | None = self._signatures.get(model_param(param))  # type: ignore[no-untyped-call]
         if signature is None:
             return None
@@ -254,6 +286,14 @@ class GenericAdapter(StateSwapAdapter):
             wrong_shape="the optimizer created it with shape",
         )
 
+    def export_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Each state in the nested form the optimizer keeps it in (its nested dicts are flat between steps)."""
+        return nested_state_dict(state_dict, self._nests) if self._nests else state_dict
+
+    def import_state_dict(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Each loaded state in the flat form its nested dicts are kept in between steps."""
+        return flat_state_dict(state_dict) if self._nests else state_dict
+
     def _narrowed_step(self, target: dict[str, Any] | None, params: list[torch.Tensor], *, batch_index: int) -> None:
         """The optimizer's own step over ``params`` of group ``target`` (once per pipeline batch: kept lean,
         measured by ``swap-bench narrowing``)."""
@@ -263,6 +303,33 @@ class GenericAdapter(StateSwapAdapter):
         narrowed.run(self._step, target, params)
         self._stepped = True
         values.after_batch(batch_index, held=target)
+
+
+def _nested_in_live_state(key: str, value: dict[Any, Any]) -> str:
+    """Why a state holding the dict ``value`` under ``key`` cannot step swapped (the sentence continues "The state of
+    parameter i ...")."""
+    inner = ", ".join(repr(f"{key}{SEPARATOR}{inner}") for inner in value)
+    return (
+        f"holds {key!r} as a nested dict: swap-generic keeps each value of such a dict as a key of the state of its "
+        f"own between steps ({inner or 'none'}), made so by the optimizer's steps and by loads through the swapped "
+        "optimizer; this one was loaded through the wrapped optimizer, set by hand, or made before wrapping. Load "
+        "checkpoints with swapped.load_state_dict(...), and wrap the optimizer before its first step"
+    )
+
+
+def _refuse_nests_read_outside_step(
+    optimizer: torch.optim.Optimizer, nests: frozenset[str], methods: tuple[str, ...]
+) -> None:
+    """Refuse nested dict states of an optimizer whose methods read states outside ``step()`` (schedule-free's
+    ``train()``/``eval()``): those run over the states as swap-core keeps them, flat."""
+    if nests and methods:
+        nested = ", ".join(map(repr, sorted(nests)))
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__} cannot be swapped: it keeps states as nested dicts ({nested}), "
+            f"which swap-generic keeps flat between steps, and its {' and '.join(methods)} read its states outside "
+            "step(), where they would not find them. Keep those tensors as keys of the state, or write a dedicated "
+            "adapter (swap_core.register_adapter)"
+        )
 
 
 def _order_needed(verdict: ProbeVerdict) -> str | None:

@@ -46,6 +46,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
 from .delegation import held_parameter, inner_optimizer
+from .nested_states import flat_state, is_nest, nest_clash, nest_problem
 from .random_draws import DrawWatch
 from .sandbox import Sandbox
 from .third_party import outside_step_methods
@@ -93,7 +94,10 @@ class ProbeVerdict:
     by identity), which the stand-ins cannot take the place of: a step that reads a partner through it was not
     checked. Refused unless the optimizer declares itself; or ``None``."""
     state_keys: frozenset[str] = frozenset()
-    """The keys of the stand-ins' states: what the optimizer creates for a parameter (when the twins stepped)."""
+    """The keys of the stand-ins' states: what the optimizer creates for a parameter (when the twins stepped), each
+    value of a nested dict as a key of its own (``"moments.exp_avg"``, :mod:`swap_generic.nested_states`)."""
+    nests: frozenset[str] = frozenset()
+    """The keys of the stand-ins' states that hold a nested dict of tensors and numbers (``"moments"``)."""
     param_shaped_keys: frozenset[str] = frozenset()
     """Those of :attr:`state_keys` whose state was, for every stand-in, a tensor of its shape and dtype: what a
     parameter's first step creates in the parameter's own shape (other keys, a factored moment, have other sizes)."""
@@ -143,6 +147,7 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
             delegates=f"its step delegates to another optimizer ({type(inner.optimizer).__name__} at {inner.path})"
         )
     keys: set[str] = set()
+    nests: set[str] = set()
     later: set[str] = set()
     draws: dict[str, None] = {}
     shaped: set[str] | None = None
@@ -160,12 +165,14 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
                 if not isinstance(outcome, _Keys):
                     return _refusal(outcome, group, index, like, _named(name, with_graph), with_graph=with_graph)
                 keys |= outcome.keys
+                nests |= outcome.nests
                 later |= outcome.later
                 draws.update(dict.fromkeys(outcome.draws or ()))
                 shaped = outcome.param_shaped if shaped is None else shaped & outcome.param_shaped
     return ProbeVerdict(
         holds_parameter=_held(optimizer),
         state_keys=frozenset(keys),
+        nests=frozenset(nests),
         param_shaped_keys=frozenset(shaped or ()),
         later_keys=frozenset(later),
         draws_random=" and ".join(draws) or None,
@@ -248,6 +255,7 @@ class _FirstParameterState:
 @dataclasses.dataclass(frozen=True)
 class _Keys:
     keys: set[str]
+    nests: set[str]
     param_shaped: set[str]
     later: set[str]
     draws: tuple[str, ...] = ()
@@ -298,7 +306,8 @@ def _compare(
         if container is not None:
             return container
         drawn = () if together.draws is None else (together.draws,)
-        return _Keys(together.state_keys(), together.param_shaped_keys(), together.later_keys(), drawn)
+        keys = together.state_keys()
+        return _Keys(keys, together.nests, together.param_shaped_keys(), together.later_keys(), drawn)
     assert failed is not None
     return failed
 
@@ -309,6 +318,7 @@ class _Outcome:
 
     params: list[torch.Tensor]
     states: list[dict[str, Any]]
+    """Each stand-in's state, nested dicts of tensors and numbers flattened (:func:`~.nested_states.flat_state`)."""
     others: dict[str, Any]
     """Entries of ``state`` that belong to no stand-in (by ``repr`` of their keys)."""
     groups: list[dict[str, Any]]
@@ -318,6 +328,10 @@ class _Outcome:
     """The keys of each stand-in's state after the first step (empty when it did not finish)."""
     draws: str | None = None
     """The generators the twin's steps drew from (:class:`~swap_generic.random_draws.DrawWatch`), or ``None``."""
+    nests: set[str] = dataclasses.field(default_factory=set)
+    """The keys of the stand-ins' states that held nested dicts of tensors and numbers."""
+    clash: str | None = None
+    """Why a state's flat form could not be told from its nests (:func:`~.nested_states.nest_clash`), or ``None``."""
 
     @classmethod
     def left_by(
@@ -326,14 +340,17 @@ class _Outcome:
         """What ``twin`` holds over the stand-ins of ``steps`` now (its param groups without their params), and the
         generators ``watch`` saw its steps draw from."""
         standins = steps.standins
+        states = [twin.state.get(standin, {}) for standin in standins]
         return cls(
             params=[standin.detach() for standin in standins],
-            states=[dict(twin.state.get(standin, {})) for standin in standins],
+            states=[flat_state(state) for state in states],
             others={repr(key): value for key, value in twin.state.items() if not any(key is s for s in standins)},
             groups=[{key: value for key, value in group.items() if key != "params"} for group in twin.param_groups],
             failure=failure,
             first_keys=steps.first_keys,
             draws=watch.drawn(),
+            nests={key for state in states for key, value in state.items() if is_nest(value)},
+            clash=next(filter(None, map(nest_clash, states)), None),
         )
 
     def difference(self, other: _Outcome) -> str | None:
@@ -372,15 +389,16 @@ class _Outcome:
         return None
 
     def container_state(self) -> _Container | None:
+        if self.clash is not None:
+            return _Container(self.clash, "rename the key, or write a dedicated adapter")
         for state in self.states:
             for key, value in state.items():
-                if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
-                    inner = ", ".join(map(repr, value))
+                if isinstance(value, dict):  # a nested dict of tensors and numbers is flat here: not such a one
                     return _Container(
-                        f"it keeps state {key!r} as a dict of tensors ({inner})",
-                        "swap-generic moves the tensors a parameter's state holds as its own keys and keeps numbers; "
-                        "it does not move (nor check) tensors nested in a dict. Keep each as a key of the state "
-                        f"(state[{next(iter(value))!r}]), or write a dedicated adapter",
+                        nest_problem(key, value),
+                        "swap-generic moves the tensors of a dict nested one level deep (string keys, tensors and "
+                        "numbers) and keeps numbers, but cannot tell where the tensors of other dicts live. Keep them "
+                        "in such a dict, or as keys of the state, or write a dedicated adapter",
                     )
                 if not isinstance(value, (torch.Tensor, *_PLAIN_VALUES)):
                     return _Container(
@@ -501,7 +519,7 @@ class _ProbeSteps:
                     step()
                 self.taken += 1
                 if step_index == 0:
-                    self.first_keys = [set(twin.state.get(standin, {})) for standin in self.standins]
+                    self.first_keys = [set(flat_state(twin.state.get(standin, {}))) for standin in self.standins]
 
 
 def _in_train_mode(twin: torch.optim.Optimizer) -> None:

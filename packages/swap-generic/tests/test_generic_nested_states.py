@@ -1,0 +1,369 @@
+"""Optimizers that keep a state as a nested dict of tensors (issue 44, item 10): ``state[p]["moments"] =
+{"exp_avg": ..., "exp_avg_sq": ...}``.
+
+Before: refused at wrap time, whatever they declared ("keeps state 'moments' as a dict of tensors"). Now each value of
+such a dict (one level deep, tensors and numbers) is a state key of its own while swapped (``"moments.exp_avg"``,
+in host memory between steps), the optimizer's own step sees the nested dict, and ``state_dict()`` holds it exactly
+as the plain optimizer's does: bitwise the plain optimizer over every simulator schedule, with the SwapConfig
+variants (``prefetch="backward"``, ``step="in_backward"`` among them), master weights and checkpoints both ways.
+What cannot be told apart stays refused, naming the key, its inner keys, the group and the parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swap_core import SwapConfig, swap_optimizer
+from swap_core.errors import SwapStateError, UnsupportedOptimizerError
+from swap_core.sim import SimBackend
+from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
+from swap_core.testing.conformance import (
+    SIM_MODES,
+    ConformanceCase,
+    check_checkpoint_round_trip,
+    check_parity,
+    make_conformance_tests,
+    through_torch_save,
+)
+from swap_core.testing.habits import HABIT_CHECKS
+from swap_core.testing.masters import MasterReference, mixed_precision_params, set_same_grads
+from swap_core.testing.pytest_plugin import BackendFactory
+
+
+class NestedAdamW(torch.optim.Optimizer):
+    """AdamW keeping each parameter's moments in a nested dict, its step count in the param group."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            params = [param for param in group["params"] if param.grad is not None]
+            if params:
+                step = self._count(group)
+                for param in params:
+                    self._update(param, self._moments(param), group, step)
+        return None
+
+    def _count(self, group: dict[str, Any]) -> int:
+        group["step"] = step = group.get("step", 0) + 1
+        return int(step)
+
+    def _moments(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if "moments" not in state:
+            state["moments"] = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        moments: dict[str, Any] = state["moments"]
+        return moments
+
+    @staticmethod
+    def _update(param: torch.Tensor, moments: dict[str, Any], group: dict[str, Any], step: int) -> None:
+        assert param.grad is not None
+        beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+        exp_avg.lerp_(param.grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+        denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.addcdiv_(exp_avg, denom, value=-group["lr"] / (1 - beta1**step))
+
+
+class CountedInTheNest(NestedAdamW):
+    """The step count kept per parameter, as a number in the nested dict beside the moments; a scalar tensor of the
+    parameter's running maximum gradient beside it in the state."""
+
+    def _moments(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if "moments" not in state:
+            state["grad_max"] = torch.zeros((), dtype=param.dtype, device=param.device)
+            state["moments"] = {"step": 0, "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        assert param.grad is not None
+        torch.maximum(state["grad_max"], param.grad.abs().max(), out=state["grad_max"])
+        moments: dict[str, Any] = state["moments"]
+        moments["step"] += 1
+        return moments
+
+    def step(self, closure: Any = None) -> Any:
+        with torch.no_grad():
+            for group in self.param_groups:
+                for param in [param for param in group["params"] if param.grad is not None]:
+                    moments = self._moments(param)
+                    self._update(param, moments, group, moments["step"])
+        return None
+
+
+CASES = [
+    ConformanceCase(
+        "nested_moments_step_in_the_nest",
+        CountedInTheNest,
+        dtypes=(torch.float32, torch.bfloat16),
+        group_options=({}, {"lr": 0.02}),
+    ),
+]
+
+READ_THE_LIVE_STATE = ("test_conformance_torch_habits", "test_conformance_master_weights")
+"""Checks that read opt.state[p] between steps, where the swapped optimizer holds the flat form: the torch habits
+(those that do not run in test_torch_habits_that_leave_the_live_state_alone) and the master-weights check's comparison
+of live states (test_master_weights_run_over_the_nested_states compares checkpoints instead)."""
+
+globals().update(
+    {name: test for name, test in make_conformance_tests(CASES).items() if name not in READ_THE_LIVE_STATE}
+)
+
+FLAT_BETWEEN_STEPS = {
+    "state_resets": "replaces a state tensor the checkpoint holds at the top of a state (the moments are nested there)",
+    "incomplete_checkpoints": "drops a swapped key the checkpoint holds at the top of a state (the same)",
+    "state_edits_in_place": "edits every tensor it finds in opt.state[p]: the plain optimizer's nested moments are "
+    "not among them, the swapped one's flat moments are (a limit, docs/generic.md)",
+    "load_through_the_wrapped_optimizer": "refused (test_a_nested_dict_in_the_live_state_is_refused_before_the_step)",
+}
+"""The torch habits that meet the flat form of the live state, and why."""
+
+
+@pytest.mark.parametrize("habit", [habit for habit in HABIT_CHECKS if habit not in FLAT_BETWEEN_STEPS])
+@pytest.mark.parametrize("step", ["after_backward", "in_backward"])
+@pytest.mark.parametrize("mode,seed", [("lazy", 0), ("random", 5)], ids=["lazy0", "random5"])
+def test_torch_habits_that_leave_the_live_state_alone(
+    habit: str, step: str, mode: str, seed: int, swap_backend_factory: BackendFactory
+) -> None:
+    HABIT_CHECKS[habit](CASES[0], swap_backend_factory(mode=mode, seed=seed), step=step)
+
+
+GROUP_STEP = ConformanceCase("nested_moments_group_step", NestedAdamW, group_options=({}, {"lr": 0.02}))
+"""Its step writes its groups: inside the backward its batches are taken back and run in step() (a limit of
+step="in_backward" for such steps; test_generic_bookkeeping.py steps such an optimizer with nested states there), so
+it runs the parity and checkpoint checks."""
+
+
+@pytest.mark.parametrize("prefetch", ["off", "backward"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+@pytest.mark.parametrize("mode,seed", SIM_MODES[:6], ids=[f"{m}{s}" for m, s in SIM_MODES[:6]])
+def test_group_step_parity_and_checkpoints(
+    packed: bool, mode: str, seed: int, prefetch: str, swap_backend_factory: BackendFactory
+) -> None:
+    check_parity(GROUP_STEP, swap_backend_factory(mode=mode, seed=seed), packed=packed, prefetch=prefetch)
+    check_checkpoint_round_trip(GROUP_STEP, swap_backend_factory(mode=mode, seed=seed), packed=packed)
+
+
+SHAPES = ((16, 20), (3,), (8, 8), (30, 12))
+
+
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+
+
+def _run(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        set_same_grads(step, params)
+        optimizer.step()
+
+
+def _assert_as_twin(params: list[torch.Tensor], optimizer: Any, twin_params: list[torch.Tensor], twin: Any) -> None:
+    for index, (expected, actual) in enumerate(zip(twin_params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
+    assert_state_dicts_equal(twin.state_dict(), optimizer.state_dict(), "the state dict")
+
+
+def _swapped(make: Callable[[Any], torch.optim.Optimizer], params: list[torch.Tensor]) -> Any:
+    config = SwapConfig(backend=SimBackend(mode="random", seed=3), swap_times=2, min_numel=16)
+    return swap_optimizer(make([{"params": params}]), config)
+
+
+@pytest.mark.parametrize("make", [NestedAdamW, CountedInTheNest], ids=["group_step", "step_in_the_nest"])
+def test_the_nested_tensors_live_in_host_memory_and_checkpoints_hold_the_nested_dict(
+    make: Callable[[Any], torch.optim.Optimizer],
+) -> None:
+    twin_params, params = _params(), _params()
+    twin, swapped = make([{"params": twin_params}]), _swapped(make, params)
+    _run(twin_params, twin, range(3))
+    _run(params, swapped, range(3))
+    layout = swapped.host_layout()
+    for param in params[:1] + params[2:]:  # the (3,) parameter's states are under min_numel: they stay
+        assert layout.swapped_keys(param) == {"moments.exp_avg", "moments.exp_avg_sq"}
+    assert swapped.stats.h2d_bytes == swapped.stats.d2h_bytes > 0
+    saved = through_torch_save(swapped.state_dict())
+    assert list(saved["state"][0]) == list(twin.state_dict()["state"][0])
+    assert list(saved["state"][0]["moments"]) == list(twin.state_dict()["state"][0]["moments"])
+    _assert_as_twin(params, swapped, twin_params, twin)
+    assert list(swapped.state[params[0]]) == _flat_keys(twin.state[twin_params[0]])
+
+
+def _flat_keys(entry: dict[str, Any]) -> list[str]:
+    """The keys of ``entry`` as a swapped optimizer keeps them between steps."""
+    keys = []
+    for key, value in entry.items():
+        keys += [f"{key}.{inner}" for inner in value] if isinstance(value, dict) else [key]
+    return keys
+
+
+@pytest.mark.parametrize("step", ["after_backward", "in_backward"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
+def test_master_weights_run_over_the_nested_states(packed: bool, step: str) -> None:
+    """bf16/fp16 parameters: bitwise the plain optimizer over fp32 masters, parameters and nested states."""
+    params = mixed_precision_params()
+    reference = MasterReference(mixed_precision_params(), lambda masters: CountedInTheNest([{"params": masters}]))
+    config = SwapConfig(
+        backend=SimBackend(mode="random", seed=4), swap_times=3, min_numel=64, master_weights=True, step=step
+    )
+    swapped = swap_optimizer(CountedInTheNest([{"params": params}]), config)
+    for index in range(4):
+        reference.set_grads(index, params)
+        reference.step()
+        swapped.step()
+    assert {"moments.exp_avg", "moments.exp_avg_sq"} < swapped.host_layout().swapped_keys(params[0])
+    for position, (expected, actual) in enumerate(zip(reference.params, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {position}")
+    saved, expected_state = swapped.state_dict()["state"], reference.optimizer.state_dict()["state"]
+    for position, entry in expected_state.items():
+        assert_state_dicts_equal(
+            {"param_groups": [], "state": entry},
+            {"param_groups": [], "state": {key: saved[position][key] for key in entry}},
+            f"parameter {position}",
+        )
+
+
+def test_a_nested_dict_in_the_live_state_is_refused_before_the_step() -> None:
+    """Loaded through the wrapped optimizer (torch's load puts the nested dict back), or set by hand: refused before
+    any batch updates anything, saying how to load; the swapped optimizer's own load takes it."""
+    twin_params, params = _params(), _params()
+    twin, swapped = NestedAdamW([{"params": twin_params}]), _swapped(NestedAdamW, params)
+    _run(twin_params, twin, range(2))
+    _run(params, swapped, range(2))
+    checkpoint = through_torch_save(twin.state_dict())
+    swapped.optimizer.load_state_dict(through_torch_save(checkpoint))
+    before = [param.detach().clone() for param in params]
+    with pytest.raises(SwapStateError, match=r"holds 'moments' as a nested dict.*swapped.load_state_dict"):
+        _run(params, swapped, range(2, 3))
+    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the refused step")
+    twin.load_state_dict(through_torch_save(checkpoint))
+    swapped.load_state_dict(through_torch_save(checkpoint))
+    _run(twin_params, twin, range(2, 5))
+    _run(params, swapped, range(2, 5))
+    _assert_as_twin(params, swapped, twin_params, twin)
+
+
+def test_states_nested_before_wrapping_are_refused_swapped_and_kept_unswapped() -> None:
+    """Made by steps before wrapping: refused at wrap time (wrap first, or load through the swapped optimizer),
+    the optimizer unchanged; unswapped (CPU parameters, backend="auto") the plain step keeps them as they are."""
+    twin_params, params = _params(), _params()
+    twin, optimizer = NestedAdamW([{"params": twin_params}]), NestedAdamW([{"params": params}])
+    _run(twin_params, twin, range(2))
+    _run(params, optimizer, range(2))
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=16)
+    with pytest.raises(UnsupportedOptimizerError, match=r"holds 'moments' as a nested dict.*before wrapping"):
+        swap_optimizer(optimizer, config)
+    assert_state_dicts_equal(checkpoint, optimizer.state_dict(), "the refused optimizer's state dict")
+    unswapped = swap_optimizer(optimizer, SwapConfig(backend="auto"))
+    assert unswapped.backend is None
+    _run(twin_params, twin, range(2, 4))
+    _run(params, unswapped, range(2, 4))
+    _assert_as_twin(params, unswapped, twin_params, twin)
+    saved = through_torch_save(twin.state_dict())
+    twin.load_state_dict(through_torch_save(saved))
+    unswapped.load_state_dict(through_torch_save(saved))
+    _run(twin_params, twin, range(4, 6))
+    _run(params, unswapped, range(4, 6))
+    _assert_as_twin(params, unswapped, twin_params, twin)
+
+
+class DeeperNest(NestedAdamW):
+    """Keeps its moments one dict deeper: ``state["moments"]["first"] = {"exp_avg": ...}``."""
+
+    def _moments(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if "moments" not in state:
+            state["moments"] = {"first": {"exp_avg": torch.zeros_like(param)}, "exp_avg_sq": torch.zeros_like(param)}
+        return {"exp_avg": state["moments"]["first"]["exp_avg"], "exp_avg_sq": state["moments"]["exp_avg_sq"]}
+
+
+class ListInTheNest(NestedAdamW):
+    """Keeps a list of past step sizes in the nested dict beside the moments."""
+
+    def _moments(self, param: torch.Tensor) -> dict[str, Any]:
+        moments = super()._moments(param)
+        moments.setdefault("history", []).append(1.0)
+        return moments
+
+
+class KeyReadAsNested(NestedAdamW):
+    """Keeps a tensor under ``"moments.extra"`` beside its nested ``"moments"``: the flat form would mistake it."""
+
+    def _moments(self, param: torch.Tensor) -> dict[str, Any]:
+        self.state[param].setdefault("moments.extra", torch.zeros_like(param))
+        return super()._moments(param)
+
+
+REFUSED: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], str]] = {
+    "deeper": (
+        DeeperNest,
+        r"keeps state 'moments' as a dict \('first', 'exp_avg_sq'\) nested deeper than one level: 'moments'\['first'\] "
+        r"is a dict \('exp_avg'\) \(param group 0's parameter 0, shape \(16, 20\)",
+    ),
+    "list": (
+        ListInTheNest,
+        r"keeps state 'moments' as a dict \('exp_avg', 'exp_avg_sq', 'history'\) holding a list under 'history' "
+        r"\(param group 0's parameter 0, shape \(16, 20\)",
+    ),
+    "clash": (
+        KeyReadAsNested,
+        r"keeps state 'moments.extra' beside the dict of tensors 'moments'.* \(param group 0's parameter 0, shape "
+        r"\(16, 20\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_nest_that_cannot_be_kept_flat_is_refused_naming_it(name: str) -> None:
+    make, message = REFUSED[name]
+    twin_params, params = _params(), _params()
+    twin, optimizer = make([{"params": twin_params}]), make([{"params": params}])
+    _run(twin_params, twin, range(2))
+    _run(params, optimizer, range(2))
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(UnsupportedOptimizerError, match=message):
+        swap_optimizer(optimizer, SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=16))
+    assert_state_dicts_equal(checkpoint, optimizer.state_dict(), "the refused optimizer's state dict")
+    _run(twin_params, twin, range(2, 4))
+    _run(params, optimizer, range(2, 4))
+    _assert_as_twin(params, optimizer, twin_params, twin)
+
+
+class NestedWithModes(NestedAdamW):
+    """Has schedule-free's ``train()``/``eval()`` (told by ``train_mode`` in its groups), which swap-core runs over the
+    states as it keeps them: flat, where such a method would look for the nested dict."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params)
+        self.train()
+
+    def train(self) -> None:
+        for group in self.param_groups:
+            group["train_mode"] = True
+
+    def eval(self) -> None:
+        for group in self.param_groups:
+            group["train_mode"] = False
+
+
+def test_nested_states_read_outside_the_step_are_refused() -> None:
+    params = _params()
+    optimizer = NestedWithModes([{"params": params}])
+    before = [param.detach().clone() for param in params]
+    with pytest.raises(
+        UnsupportedOptimizerError,
+        match=r"keeps states as nested dicts \('moments'\), which swap-generic keeps flat between steps, and its "
+        r"train and eval read its states outside step\(\)",
+    ):
+        swap_optimizer(optimizer, SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=16))
+    assert not optimizer.state
+    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index}")
