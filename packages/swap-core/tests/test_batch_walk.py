@@ -58,25 +58,26 @@ class _RecordingStages:
 
 
 class _AlternatingStaging:
-    """Two memories taken in turn (the arenas): batch ``i`` reuses batch ``i - 2``'s."""
+    """``memories`` memories taken in turn (the arenas): batch ``i`` reuses batch ``i - memories``'s, and the pairs
+    ``shared_by`` share one too (batches skipped between them)."""
 
-    def __init__(self, batches: Sequence[PlannedBatch], *, shared_by: frozenset[tuple[int, int]]) -> None:
-        self._batches, self._shared_by = batches, shared_by
+    def __init__(self, memories: int, *, shared_by: frozenset[tuple[int, int]]) -> None:
+        self._memories, self._shared_by = memories, shared_by
         self._last_out_of: dict[int, Offloaded] = {}
 
     def before_copy_in(self, position: int) -> Offloaded | None:
-        return self._last_out_of.get(position % 2)
+        return self._last_out_of.get(position % self._memories)
 
     def copied_out(self, position: int, offloaded: Offloaded) -> None:
-        self._last_out_of[position % 2] = offloaded
+        self._last_out_of[position % self._memories] = offloaded
 
     def needs_memory_of(self, position: int, earlier: int) -> bool:
-        return (position, earlier) in self._shared_by
+        return (position - earlier) % self._memories == 0 or (position, earlier) in self._shared_by
 
 
 class _Staging:
-    def __init__(self, shared_by: frozenset[tuple[int, int]] = frozenset()) -> None:
-        self._shared_by = shared_by
+    def __init__(self, shared_by: frozenset[tuple[int, int]] = frozenset(), memories: int = 2) -> None:
+        self._shared_by, self._memories = shared_by, memories
 
     @property
     def peak_bytes(self) -> int:
@@ -86,22 +87,26 @@ class _Staging:
         """Nothing."""
 
     def walk(self, batches: Sequence[PlannedBatch], compute: Stream) -> StagingWalk:
-        return _AlternatingStaging(batches, shared_by=self._shared_by)
+        return _AlternatingStaging(self._memories, shared_by=self._shared_by)
 
     def release(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream | None) -> None:
         """Nothing."""
 
-    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream, keep: bool) -> None:
-        """Nothing."""
+    def release_after_walk(self, batches: Sequence[PlannedBatch], *, in_use_on: Stream) -> bool:
+        """Nothing, and nothing kept."""
+        return False
 
 
-def _plan(count: int, *, resident: bool, shared_by: frozenset[tuple[int, int]] = frozenset()) -> SwapPlan:
+def _plan(
+    count: int, *, resident: bool, shared_by: frozenset[tuple[int, int]] = frozenset(), memories: int = 2
+) -> SwapPlan:
     batches = [PlannedBatch(index, [(0, torch.zeros(1))], [], 4) for index in range(count)]
     resident_batch = PlannedBatch(-1, [(0, torch.zeros(1))], [], 0) if resident else None
-    return SwapPlan(batches, _Staging(shared_by), version=0, resident=resident_batch)
+    return SwapPlan(batches, _Staging(shared_by, memories), version=0, resident=resident_batch)
 
 
-def _walk(plan: SwapPlan, *, prefetched: bool = False) -> tuple[_RecordingStages, list[int | None]]:
+def _walk(plan: SwapPlan, *, prefetched: int = 0) -> tuple[_RecordingStages, list[int | None]]:
+    """Walk ``plan`` on recording stages, its first ``prefetched`` batches copied in before it."""
     stages = _RecordingStages()
     walk = BatchWalk(
         stages,
@@ -110,7 +115,7 @@ def _walk(plan: SwapPlan, *, prefetched: bool = False) -> tuple[_RecordingStages
         object(),  # the compute stream, which the recording staging ignores
         lambda batch: None,
         SwapStats(),
-        prefetched=_Event("in 0") if prefetched else None,
+        prefetched=[_Event(f"in {index}") for index in range(prefetched)],
     )
     order: list[int | None] = []
     while not walk.done:
@@ -134,7 +139,7 @@ def test_each_copy_in_is_issued_while_the_batch_before_updates_and_each_copy_out
 def test_the_resident_parameters_update_before_the_first_wait_for_a_copy_in(prefetched: bool) -> None:
     """Batch 0's copy-in is waited for at its update, unless ``prefetch()`` issued it before the step: then the
     first wait is for batch 1's, and the resident parameters go after batch 0."""
-    stages, _ = _walk(_plan(3, resident=True), prefetched=prefetched)
+    stages, _ = _walk(_plan(3, resident=True), prefetched=1 if prefetched else 0)
     if prefetched:
         assert stages.calls[:5] == ["in 1", "update 0", "out 0", "in 2", "update resident"]
     else:
@@ -145,3 +150,38 @@ def test_a_batch_that_needs_the_memory_of_the_one_before_comes_in_after_its_copy
     """Batches skipped between them put two batches of one arena next to each other in the walk."""
     stages, _ = _walk(_plan(3, resident=False, shared_by=frozenset({(1, 0)})))
     assert stages.calls[:5] == ["in 0", "update 0", "out 0", "in 1", "in 2"]
+
+
+def test_batches_the_prefetch_copied_in_come_in_once_and_the_next_comes_in_while_the_last_of_them_updates() -> None:
+    """Three memories, the prefetch before the step copied batches 0 and 1 in: the walk copies neither again, batch
+    2 (a memory of its own) comes in while batch 1 updates, and batch 3 takes batch 0's memory once it is copied
+    out; the resident parameters wait for batch 2's copy-in, the first one the step issues."""
+    stages, order = _walk(_plan(5, resident=True, memories=3), prefetched=2)
+    assert order == [0, 1, 2, 3, 4]
+    assert stages.calls == [
+        *("update 0", "out 0", "in 2", "update 1", "out 1", "in 3", "update resident", "update 2", "out 2"),
+        *("in 4", "update 3", "out 3", "update 4", "out 4"),
+    ]
+    assert stages.waited_for == {2: None, 3: "out 0", 4: "out 1"}
+
+
+def test_the_copy_in_after_next_is_issued_with_the_copy_out_not_at_the_next_advance() -> None:
+    """Inside the backward each ``advance()`` is a gradient hook, and the next one may come much later: the copy-in
+    of the batch after the next one is issued right after this batch's copy-out (in stream order it waits for that
+    copy-out only where it takes its memory), so the link does not idle until the backward reaches the next batch."""
+    stages = _RecordingStages()
+    plan = _plan(4, resident=False)
+    walk = BatchWalk(stages, plan, plan.batches, object(), lambda batch: None, SwapStats())
+    issued = [list(stages.calls)]
+    while not walk.done:
+        before = len(stages.calls)
+        walk.advance()
+        issued.append(stages.calls[before:])
+    assert issued == [
+        ["in 0"],
+        ["in 1", "update 0", "out 0", "in 2"],
+        ["update 1", "out 1", "in 3"],
+        ["update 2", "out 2"],
+        ["update 3", "out 3"],
+    ]
+    assert stages.waited_for == {0: None, 1: None, 2: "out 0", 3: "out 1"}

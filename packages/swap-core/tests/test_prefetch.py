@@ -1,4 +1,5 @@
-"""``SwapOptimizer.prefetch()``: batch 0's copy-in issued before ``step()``, bitwise the same, faster on the clock.
+"""``SwapOptimizer.prefetch()``: the first batches' copy-ins issued before ``step()`` (one batch with two staging
+buffers, ``k - 1`` with ``k``), bitwise the same, faster on the clock.
 
 The numbers must not change (RMSprop, core's own family, against the plain optimizer, in every
 simulator mode, packed and per tensor, with races checked), the copies must not be doubled, edits
@@ -36,7 +37,7 @@ def _pair(
     sim: SimBackend, **options: object
 ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, list[torch.nn.Parameter], SwapOptimizer]:
     plain_params, params = _params(), _params()
-    config = SwapConfig(backend=sim, swap_times=3, min_numel=16, **options)  # type: ignore[arg-type]
+    config = SwapConfig(**{"backend": sim, "swap_times": 3, "min_numel": 16, **options})  # type: ignore[arg-type]
     return plain_params, _rmsprop(plain_params), params, swap_optimizer(_rmsprop(params), config)
 
 
@@ -62,11 +63,12 @@ def _assert_same(
             assert_bitwise_equal(value, swapped.state[actual][key], f"{where}: {key!r} of parameter {index}")
 
 
+@pytest.mark.parametrize("buffers", [2, 3], ids=["two_buffers", "three_buffers"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
 @pytest.mark.parametrize(("mode", "seed"), SIM_MODES[:8], ids=[f"{m}{s}" for m, s in SIM_MODES[:8]])
-def test_prefetch_then_step_is_bitwise_the_plain_optimizer(mode: str, seed: int, packed: bool) -> None:
+def test_prefetch_then_step_is_bitwise_the_plain_optimizer(mode: str, seed: int, packed: bool, buffers: int) -> None:
     sim = SimBackend(mode=mode, seed=seed)  # type: ignore[arg-type]
-    plain_params, plain, params, swapped = _pair(sim, packed=packed)
+    plain_params, plain, params, swapped = _pair(sim, packed=packed, staging_buffers=buffers, swap_times=4)
     for step in range(6):
         _grads(step, plain_params, params)
         swapped.prefetch()  # a no-op at step 0: the states are created by the first step
@@ -77,11 +79,12 @@ def test_prefetch_then_step_is_bitwise_the_plain_optimizer(mode: str, seed: int,
     assert not sim.races, sim.races
 
 
-def test_a_prefetched_batch_is_copied_once() -> None:
+@pytest.mark.parametrize("buffers", [2, 3], ids=["two_buffers", "three_buffers"])
+def test_a_prefetched_batch_is_copied_once(buffers: int) -> None:
     copies = []
     for prefetching in (False, True):
         sim = SimBackend(mode="random", seed=1)
-        _, _, params, swapped = _pair(sim)
+        _, _, params, swapped = _pair(sim, staging_buffers=buffers, swap_times=4)
         for step in range(3):
             _grads(step, params)
             if prefetching:
@@ -117,15 +120,21 @@ def test_edits_and_loads_between_prefetch_and_step_are_followed() -> None:
     assert not sim.races, sim.races
 
 
+@pytest.mark.parametrize(
+    ("buffers", "batch"), [(2, 0), (3, 0), (3, 1)], ids=["two_buffers", "three_buffers_first", "three_buffers_second"]
+)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
-def test_a_failed_prefetch_leaves_nothing_pending_and_the_step_runs(packed: bool) -> None:
+def test_a_failed_prefetch_leaves_nothing_pending_and_the_step_runs(packed: bool, buffers: int, batch: int) -> None:
+    """A copy-in of the prefetched batch ``batch`` fails to enqueue (per tensor: after one copy of it was issued):
+    the batches before it, copied in, are dropped with it, their staging memory freed."""
     sim = SimBackend(mode="random", seed=4)
-    plain_params, plain, params, swapped = _pair(sim, packed=packed)
+    plain_params, plain, params, swapped = _pair(sim, packed=packed, staging_buffers=buffers, swap_times=4)
     _grads(0, plain_params, params)
     plain.step()
     swapped.step()
     allocated = sim.memory_allocated()
-    sim.fail_copy(0 if packed else 1, "h2d")  # per tensor: after one copy of the batch was issued
+    copies_before = sum(len(earlier.transfers) for earlier in swapped.swap_plan().batches[:batch])
+    sim.fail_copy(copies_before + (0 if packed else 1), "h2d")
     with pytest.raises(SimInjectedFault):
         swapped.prefetch()
     sim.synchronize()
@@ -134,6 +143,22 @@ def test_a_failed_prefetch_leaves_nothing_pending_and_the_step_runs(packed: bool
     plain.step()
     swapped.step()
     _assert_same(plain, plain_params, swapped, params, "after a failed prefetch")
+
+
+@pytest.mark.parametrize(("buffers", "prefetched"), [(2, 1), (3, 2), (4, 4), (5, 4)])
+def test_the_prefetch_copies_in_as_many_batches_as_leave_room_for_the_next(buffers: int, prefetched: int) -> None:
+    """With ``k`` staging buffers the prefetch copies in ``k - 1`` batches (the step copies the next one in while the
+    first updates); with as many buffers as batches, all of them."""
+    sim = SimBackend(mode="random", seed=2)
+    _, _, params, swapped = _pair(sim, staging_buffers=buffers, swap_times=4)
+    _grads(0, params)
+    swapped.step()
+    swapped.synchronize()
+    batches = swapped.swap_plan().batches
+    assert len(batches) == 4
+    before = sim.copy_stats.h2d_bytes
+    swapped.prefetch()
+    assert sim.copy_stats.h2d_bytes - before == sum(batch.nbytes for batch in batches[:prefetched])
 
 
 def test_prefetch_before_a_modeled_backward_takes_the_first_copy_off_the_step() -> None:

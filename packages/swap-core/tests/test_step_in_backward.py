@@ -88,17 +88,20 @@ def test_batches_update_inside_the_backward_bitwise_the_plain_optimizer_after_it
         assert optimizer.stats.batches == 3
 
 
+@pytest.mark.parametrize("buffers", [2, 3], ids=["two_buffers", "three_buffers"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_tensor"])
 @pytest.mark.parametrize(("mode", "seed"), [("lazy", 0), ("random", 6)])
 def test_a_prefetch_after_step_brings_the_first_batch_in_for_the_walk_in_the_next_backward(
-    mode: SimMode, seed: int, packed: bool
+    mode: SimMode, seed: int, packed: bool, buffers: int
 ) -> None:
-    """``opt.prefetch()`` after ``step()`` issues the first batch's copy-in under the next forward; the walk that
-    the backward begins waits for it instead of copying it again, and counts it in that step's copies."""
+    """``opt.prefetch()`` after ``step()`` issues the first batches' copy-ins under the next forward (one with two
+    staging buffers; with three, all three batches); the walk that the backward begins waits for them instead of
+    copying them again, and counts them in that step's copies."""
     plain_model, model, twin_model = _model(), _model(), _model()
     plain = _rmsprop(plain_model)
     sim, twin_sim = SimBackend(mode=mode, seed=seed), SimBackend(mode=mode, seed=seed)
-    optimizer, twin = _in_backward(model, sim, packed=packed), _in_backward(twin_model, twin_sim, packed=packed)
+    options = {"packed": packed, "staging_buffers": buffers}
+    optimizer, twin = _in_backward(model, sim, **options), _in_backward(twin_model, twin_sim, **options)
     for step in range(STEPS):
         _forward(plain_model, _inputs(step)).backward()
         plain.step()

@@ -11,7 +11,8 @@ The contract, in one place:
   still right for the step that follows the last one: it reads host states only, never gradients, and host
   states change between steps only through the optimizer (a load or an edit of ``state`` or
   ``param_groups``, after which the step drops the prefetch and runs as without it). The price is holding
-  the staging memory of the first batch from that first backward on.
+  the staging memory of the batches it copies in (the first one with two staging buffers) from that first
+  backward on.
 - A parameter that had no gradient in the last step is not waited for; one that stops getting gradients only
   means that no prefetch is issued (the step then copies batch 0 in itself). The result never depends on when,
   or whether, the prefetch ran.

@@ -1,4 +1,4 @@
-"""``prefetch()``: the first batch's copy-in issued ahead of ``step()``, by the user or, with
+"""``prefetch()``: the first batches' copy-ins issued ahead of ``step()``, by the user or, with
 ``SwapConfig(prefetch="backward")``, from the backward's gradient hooks (:mod:`swap_core.backward_prefetch`)."""
 
 from __future__ import annotations

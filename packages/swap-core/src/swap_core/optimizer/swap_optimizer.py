@@ -260,9 +260,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._swapping.close()
 
     def prefetch(self) -> None:
-        """Start copying the first batch's states to the device now, ahead of ``step()`` (e.g. right after backward).
+        """Start copying the first batches' states to the device now, ahead of ``step()`` (e.g. right after backward):
+        as many as leave the staging memory room for the next one (one batch with ``SwapConfig(staging_buffers=2)``,
+        the default; ``k - 1`` with ``k``).
 
-        The next ``step()`` then begins with that batch already on its way, so the copy overlaps what
+        The next ``step()`` then begins with those batches already on their way, so the copies overlap what
         runs before it. Idempotent: a second call before the step does nothing. Nothing happens with
         CPU parameters, or while the first batch has no state to copy (before the first step). If the state
         or the param groups change before the step (a load, an edit, states the step creates for parameters
@@ -282,7 +284,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     @property
     def prefetched(self) -> bool:
-        """Whether the next step's first copy-in is already issued (by :meth:`prefetch`, or from the backward with
+        """Whether the next step's first copy-ins are already issued (by :meth:`prefetch`, or from the backward with
         ``SwapConfig(prefetch="backward")``); ``False`` again once a step ran."""
         return self._swapping.prefetched
 

@@ -1,11 +1,13 @@
 """One step's walk over its batches, a batch at a time: copy-in ahead, update, copy-out behind.
 
-:class:`BatchWalk` issues batch ``i + 1``'s copy-in while batch ``i`` updates, then batch ``i``'s copy-out; the
-plan's resident parameters update while the first wait for a copy-in would stall the compute stream. It runs the
-stages of a :class:`Stages` (the :class:`~swap_core.runtime.pipeline.PipelineScheduler`'s, which the simulator's
-planted-bug tests replace one at a time) and asks the plan's :class:`~swap_core.runtime.staging.Staging` where
-each batch's memory comes from. :meth:`BatchWalk.advance` takes one batch, so a caller can walk the step in one
-go or batch by batch as the batches become ready (``PipelineScheduler.begin``, ``advance``, ``end``).
+:class:`BatchWalk` issues batch ``i + 1``'s copy-in while batch ``i`` updates, then batch ``i``'s copy-out, and
+right after it batch ``i + 2``'s copy-in where that batch's memory is free by then (its copy-in waits for the copy-out
+whose memory it takes on the device, not for the walk to reach batch ``i + 1``: inside the backward that is the next
+gradient hook); the plan's resident parameters update while the first wait for a copy-in would stall the compute
+stream. It runs the stages of a :class:`Stages` (the :class:`~swap_core.runtime.pipeline.PipelineScheduler`'s, which the
+simulator's planted-bug tests replace one at a time) and asks the plan's :class:`~swap_core.runtime.staging.Staging`
+where each batch's memory comes from. :meth:`BatchWalk.advance` takes one batch, so a caller can walk the step in one go
+or batch by batch as the batches become ready (``PipelineScheduler.begin``, ``advance``, ``end``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ class Stages(Protocol):
 class BatchWalk:
     """The walk of one step over ``batches`` (``plan``'s, those with something to update, in walk order).
 
-    ``prefetched``: the event of batch 0's copy-in when :meth:`PipelineScheduler.prefetch` issued it before the step
-    (its copies already counted in ``stats``); else batch 0 is copied in now. ``to_spare``: the updates are
-    provisional: each batch is copied out to its states' spare host copies, the mirrors stay as they were, and the
+    ``prefetched``: the events of the first batches' copy-ins that :meth:`PipelineScheduler.prefetch` issued before the
+    step (their copies already counted in ``stats``); without any, batch 0 is copied in now. ``to_spare``: the updates
+    are provisional: each batch is copied out to its states' spare host copies, the mirrors stay as they were, and the
     last batch's copy-out is held until the walk ends (:meth:`advance` once more): a walk taken back instead never
-    issues it, so the step that runs again finds that batch's staging memory free once its update is done, not once
-    a copy nobody reads is.
+    issues it, so the step that runs again finds that batch's staging memory free once its update is done, not once a
+    copy nobody reads is.
     """
 
     def __init__(
@@ -55,7 +57,7 @@ class BatchWalk:
         update: UpdateFn,
         stats: SwapStats,
         *,
-        prefetched: Event | None = None,
+        prefetched: Sequence[Event] = (),
         to_spare: bool = False,
         on_copy_in: UpdateFn | None = None,
     ) -> None:
@@ -66,20 +68,23 @@ class BatchWalk:
         self._resident = plan.resident
         """The plan's resident batch until it updated (a walk without swapped batches is that update alone)."""
         self._staging = plan.staging.walk(batches, compute)
-        self._prefetched: dict[int, Event] = {}
+        self._prefetched: dict[int, Event] = dict(enumerate(prefetched))
+        """The copy-in of each batch issued and not yet updated, by position."""
         self._position = 0
+        self._next_in = len(prefetched)
+        """The position of the next batch to copy in (those before it are issued)."""
         self.last_offload: Offloaded | None = None
         """The copy-out of the last batch walked (``None`` before the first)."""
         self._held: int | None = None
         """The position of the last batch of a provisional walk, updated, its copy-out held (see the class)."""
-        # The first wait of the compute stream for a copy-in: batch 0's, or batch 1's once batch 0 was prefetched.
-        self._resident_at = 1 if prefetched is not None and len(batches) > 1 else 0
-        if prefetched is not None:
-            self._prefetched[0] = prefetched
-            if on_copy_in is not None and batches:
-                on_copy_in(batches[0])
-        elif batches:
+        # The first wait of the compute stream for a copy-in: batch 0's, or the first one's the prefetch did not issue.
+        self._resident_at = len(prefetched) if len(prefetched) < len(batches) else 0
+        if on_copy_in is not None:
+            for batch in batches[: len(prefetched)]:
+                on_copy_in(batch)
+        if batches and not prefetched:
             self._prefetch(0)
+            self._next_in = 1
 
     @property
     def done(self) -> bool:
@@ -93,8 +98,9 @@ class BatchWalk:
 
     def advance(self) -> None:
         """Update the next batch and issue its copy-out; the batch after it comes in while it updates, unless it
-        needs this one's memory (batches skipped between them): then it comes in once this one is copied out. Once
-        every batch updated, the copy-out held (a provisional walk's last) is issued."""
+        needs this one's memory (batches skipped between them): then it comes in once this one is copied out. After
+        the copy-out, the batch after that comes in too if its memory is not the batch's updating next. Once every
+        batch updated, the copy-out held (a provisional walk's last) is issued."""
         if self._held is not None:
             held, self._held = self._held, None
             self._copy_out(held)
@@ -108,24 +114,31 @@ class BatchWalk:
         else:
             resident = None
         batch = batches[position]
-        following = position + 1 if position + 1 < len(batches) else None
-        after_copy_out = following is not None and self._staging.needs_memory_of(following, position)
-        if following is not None and not after_copy_out:
-            self._prefetch(following)
+        self._copy_in_ahead(updating=position)
         if resident is not None:
             stages.update_resident(resident, self._update)  # the compute stream would wait for a copy-in
         stages.update_batch(batch, self._prefetched.pop(position), self._update)
-        if self._holds_copy_out(following):
+        if self._holds_copy_out(last=position + 1 == len(batches)):
             self._held = position
         else:
             self._copy_out(position)
-        if following is not None and after_copy_out:
-            self._prefetch(following)
         self._position += 1
+        self._copy_in_ahead(updating=self._position)
 
-    def _holds_copy_out(self, following: int | None) -> bool:
-        """Whether the batch just updated keeps its copy-out for the walk's end: a provisional walk's last."""
-        return self.to_spare and following is None
+    def _copy_in_ahead(self, *, updating: int) -> None:
+        """Issue the copy-ins after the last one issued, in walk order, up to the batch after ``updating`` (the one
+        updating now or next), each unless it needs the memory of a batch from ``updating`` on (not yet copied out)."""
+        batches, staging = self.batches, self._staging
+        while self._next_in < min(len(batches), updating + 2) and not any(
+            staging.needs_memory_of(self._next_in, held) for held in range(updating, self._next_in)
+        ):
+            self._prefetch(self._next_in)
+            self._next_in += 1
+
+    def _holds_copy_out(self, *, last: bool) -> bool:
+        """Whether the batch just updated (``last``: the walk's last) keeps its copy-out for the walk's end: a
+        provisional walk's last."""
+        return self.to_spare and last
 
     def _copy_out(self, position: int) -> None:
         self.last_offload = self._stages.offload_batch(self.batches[position], self.stats, to_spare=self.to_spare)

@@ -47,7 +47,7 @@ from ..trace import StepTrace, TraceInterval
 from .batch_walk import BatchWalk, UpdateFn
 from .plan import PlannedBatch, SwapPlan
 from .slots import SlotState, SwapSlot, transition
-from .staging import Offloaded
+from .staging import Offloaded, StagingWalk
 from .walk_ends import WalkEnds
 
 __all__ = ["Offloaded", "PipelineScheduler", "UpdateFn", "drain_in_flight_copies"]
@@ -96,10 +96,12 @@ class PipelineScheduler(WalkEnds):
         (step counters and resident states too) and an edit is one of it; ``step()`` then runs after the backward."""
 
     def prefetch(self, plan: SwapPlan) -> None:
-        """Start ``plan``'s first copy-in now, before the step that runs ``plan`` (nothing if one is pending).
+        """Start ``plan``'s first copy-ins now, before the step that runs ``plan`` (nothing if some are pending): as
+        many batches as leave the staging memory room for the next one, which the step copies in while the first
+        updates (one batch with two staging buffers, ``k - 1`` with ``k``).
 
-        The step then waits for it instead of issuing it; a step that runs another plan (the state or
-        the param groups changed meanwhile) first drops it. If an enqueue fails, nothing is pending.
+        The step then waits for them instead of issuing them; a step that runs another plan (the state or
+        the param groups changed meanwhile) first drops them. If an enqueue fails, nothing is pending.
         """
         if self._early is not None or not plan.batches or self._open_walk is not None:
             return
@@ -107,13 +109,16 @@ class PipelineScheduler(WalkEnds):
         self._settle(plan)
         plan.staging.acquire()
         counted = SwapStats()
+        staging = plan.staging.walk(plan.batches, self.compute)
+        events: list[Event] = []
         try:
-            reused = plan.staging.walk(plan.batches[:1], self.compute).before_copy_in(0)
-            event = self.prefetch_batch(plan.batches[0], counted, reused=reused)
+            for position in range(_early_batches(plan, staging)):
+                reused = staging.before_copy_in(position)
+                events.append(self.prefetch_batch(plan.batches[position], counted, reused=reused))
         except BaseException:
-            self._free_first_batch(plan)
+            self._drop_early(_EarlyPrefetch(plan, events, counted.h2d_copies, counted.h2d_bytes), failed=True)
             raise
-        self._early = _EarlyPrefetch(plan, event, counted.h2d_copies, counted.h2d_bytes)
+        self._early = _EarlyPrefetch(plan, events, counted.h2d_copies, counted.h2d_bytes)
 
     def begin(
         self,
@@ -140,13 +145,11 @@ class PipelineScheduler(WalkEnds):
         self._timeline = _Timeline(self.backend, self.compute) if traced else None
         early = self._take_early(plan)
         self._settle(plan)
-        batches = [
-            batch for batch in plan.batches if batch.index not in skip or (early is not None and batch.index == 0)
-        ]
+        prefetched = 0 if early is None else len(early.events)
+        batches = [batch for batch in plan.batches if batch.index not in skip or batch.index < prefetched]
         with self._recover_on_error(plan, provisional=provisional):
             if batches:
                 plan.staging.acquire()
-            prefetched = _counted(early, stats)
             walk = BatchWalk(
                 self,
                 plan,
@@ -154,7 +157,7 @@ class PipelineScheduler(WalkEnds):
                 self.compute,
                 update,
                 stats,
-                prefetched=prefetched,
+                prefetched=_counted(early, stats),
                 to_spare=provisional,
                 on_copy_in=on_copy_in,
             )
@@ -218,7 +221,7 @@ class PipelineScheduler(WalkEnds):
         self._take_back_for_the_host()
         self._refuse_while_walking()
         if self._early is not None:
-            self._early.event.synchronize()
+            self._early.events[-1].synchronize()  # the last copy-in of the stream that issued them all
         self._retry_stranded(final=True)
         if self._last_offload is not None:
             self._last_offload.synchronize()
@@ -319,21 +322,28 @@ class PipelineScheduler(WalkEnds):
         """Drop a pending :meth:`prefetch` (host states are about to change outside a step): its staging is freed."""
         early, self._early = self._early, None
         if early is not None:
-            transition(early.plan.batches[0].slots, SlotState.H2D, SlotState.HOST)
-            self._free_first_batch(early.plan)
+            self._drop_early(early)
 
     def _take_early(self, plan: SwapPlan) -> _EarlyPrefetch | None:
-        """The pending prefetch of ``plan``'s first batch, or ``None``; one of another plan is dropped."""
+        """The pending prefetch of ``plan``'s first batches, or ``None``; one of another plan is dropped."""
         early, self._early = self._early, None
         if early is None or early.plan is plan:
             return early
-        transition(early.plan.batches[0].slots, SlotState.H2D, SlotState.HOST)
-        self._free_first_batch(early.plan)
+        self._drop_early(early)
         return None
 
-    def _free_first_batch(self, plan: SwapPlan) -> None:
-        """The staging memory of ``plan``'s first batch (its arenas, in packed mode), behind its copy-in."""
-        plan.staging.release(plan.batches[:1], in_use_on=self.h2d)
+    def _drop_early(self, early: _EarlyPrefetch, *, failed: bool = False) -> None:
+        """The batches ``early`` copied in are back on the host (their mirrors never changed), their staging memory
+        freed behind the copy-ins. ``failed``: an enqueue of the batch after them failed: the host waits for the
+        copies issued (a copy-in reads the mirrors the host may write once nothing is pending)."""
+        if failed:
+            with contextlib.suppress(Exception):  # the enqueue's own error is the one raised
+                self.backend.record_event(self.h2d).synchronize()
+        copied = early.plan.batches[: len(early.events)]
+        for batch in copied:
+            transition(batch.slots, SlotState.H2D, SlotState.HOST)
+        issued = len(early.events) + (1 if failed else 0)  # a failed batch may hold its memory
+        early.plan.staging.release(early.plan.batches[:issued], in_use_on=self.h2d)
 
     # -- between steps --------------------------------------------------------
     def _settle(self, plan: SwapPlan) -> None:
@@ -370,13 +380,14 @@ def drain_in_flight_copies(scheduler: PipelineScheduler) -> None:
 
 
 class _EarlyPrefetch:
-    """A first batch copied in by :meth:`PipelineScheduler.prefetch` before its step."""
+    """The first batches of ``plan`` copied in by :meth:`PipelineScheduler.prefetch` before its step (``events``:
+    each one's copy-in, in walk order; ``copies``, ``nbytes``: all of theirs)."""
 
-    __slots__ = ("copies", "event", "nbytes", "plan")
+    __slots__ = ("copies", "events", "nbytes", "plan")
 
-    def __init__(self, plan: SwapPlan, event: Event, copies: int, nbytes: int) -> None:
+    def __init__(self, plan: SwapPlan, events: list[Event], copies: int, nbytes: int) -> None:
         self.plan = plan
-        self.event = event
+        self.events = events
         self.copies = copies
         self.nbytes = nbytes
 
@@ -415,10 +426,24 @@ class _Timeline:
         ]
 
 
-def _counted(early: _EarlyPrefetch | None, stats: SwapStats) -> Event | None:
-    """The event of batch 0's copy-in that :meth:`PipelineScheduler.prefetch` issued (its copies counted into
-    ``stats`` now, in the step they serve), or ``None`` without one."""
+def _early_batches(plan: SwapPlan, staging: StagingWalk) -> int:
+    """How many of ``plan``'s first batches (it has one at least) :meth:`PipelineScheduler.prefetch` copies in: the
+    first, then each batch whose memory is none of the batches' before it, while the batch after it would still find
+    memory of its own beside them."""
+
+    def fits(position: int) -> bool:
+        return not any(staging.needs_memory_of(position, earlier) for earlier in range(position))
+
+    count = 1
+    while count < len(plan.batches) and fits(count) and (count + 1 == len(plan.batches) or fits(count + 1)):
+        count += 1
+    return count
+
+
+def _counted(early: _EarlyPrefetch | None, stats: SwapStats) -> list[Event]:
+    """The events of the first batches' copy-ins that :meth:`PipelineScheduler.prefetch` issued (their copies
+    counted into ``stats`` now, in the step they serve); none without one."""
     if early is None:
-        return None
+        return []
     stats.count("h2d", early.copies, early.nbytes)
-    return early.event
+    return early.events

@@ -81,6 +81,7 @@ OPTION_VARIANTS: tuple[dict[str, Any], ...] = (
     {"step": "in_backward", "free_gradients": True},
     {"staging_buffers": 3, "swap_times": 5},
     {"step": "in_backward", "staging_buffers": 3, "packed": False, "swap_times": 5},
+    {"step": "in_backward", "staging_buffers": 4, "swap_times": 6},
 )
 """SwapConfig variants each checked for parity under :data:`OPTION_MODES`."""
 

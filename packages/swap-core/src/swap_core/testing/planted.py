@@ -56,15 +56,15 @@ def updates_held_back_to_step() -> Iterator[None]:
 def provisional_copy_outs_not_held() -> Iterator[None]:
     """A provisional walk copies its last batch out right after its update, as any walk does, instead of holding the
     copy-out until ``step()`` commits: a step taken back then waits for a copy nobody reads before it runs again."""
-    with mock.patch.object(BatchWalk, "_holds_copy_out", lambda self, following: False):
+    with mock.patch.object(BatchWalk, "_holds_copy_out", lambda self, *, last: False):
         yield
 
 
 @contextlib.contextmanager
 def copy_ins_wait_for_the_copy_out(batches_before: int) -> Iterator[None]:
     """Each packed copy-in waits, half by half, for the copy-out of the batch ``batches_before`` before it in the
-    walk, whatever arena it takes (with three staging buffers and ``batches_before=2``: the extra wait two arenas
-    need, so that the third buffers nothing)."""
+    walk, whatever arena it takes, and is issued only once that copy-out is (with three staging buffers and
+    ``batches_before=2``: the extra wait two arenas need, so that the third buffers nothing)."""
     walk = ArenaStaging.walk
 
     def held_back(self: ArenaStaging, *args: Any, **kwargs: Any) -> StagingWalk:
@@ -76,8 +76,13 @@ def copy_ins_wait_for_the_copy_out(batches_before: int) -> Iterator[None]:
             offloads[position] = offloaded
             copied_out(position, offloaded)
 
+        needs_memory_of = staging_walk.needs_memory_of
         staging_walk.copied_out = record  # type: ignore[method-assign]
         staging_walk.before_copy_in = lambda position: offloads.get(position - batches_before)  # type: ignore[method-assign]
+        # The copy-in is issued once that copy-out is, as if it took that batch's arena.
+        staging_walk.needs_memory_of = (  # type: ignore[method-assign]
+            lambda position, earlier: earlier == position - batches_before or needs_memory_of(position, earlier)
+        )
         return staging_walk
 
     with mock.patch.object(ArenaStaging, "walk", held_back):
@@ -96,6 +101,24 @@ def copy_ins_issued_after_the_copy_out_before() -> Iterator[None]:
         return staging_walk
 
     with mock.patch.object(ArenaStaging, "walk", held_back):
+        yield
+
+
+@contextlib.contextmanager
+def prefetch_of_one_batch() -> Iterator[None]:
+    """``prefetch()`` copies in one batch, as with two staging buffers, whatever their number (packed): no batch
+    takes the memory of a batch two or more before it (the walk copies one batch ahead anyway)."""
+    walk = ArenaStaging.walk
+
+    def one_ahead(self: ArenaStaging, *args: Any, **kwargs: Any) -> StagingWalk:
+        staging_walk = walk(self, *args, **kwargs)
+        needs_memory_of = staging_walk.needs_memory_of
+        staging_walk.needs_memory_of = (  # type: ignore[method-assign]
+            lambda position, earlier: position - earlier >= 2 or needs_memory_of(position, earlier)
+        )
+        return staging_walk
+
+    with mock.patch.object(ArenaStaging, "walk", one_ahead):
         yield
 
 
