@@ -58,17 +58,13 @@ class SwapDecisions:
         """The bytes of a state that may be swapped (its key, dtype and size allow it), else ``None``."""
         if self.swap_keys is not None and key not in self.swap_keys:
             return None
-        # A master's remainder counts as many elements as its master for min_numel (it goes with the moments).
-        min_numel = self.min_numel
         if isinstance(template, StateInit):
-            numel = torch.Size(template.shape).numel()
-            counted = remainder_numel(numel) if key == REMAINDER_KEY else numel
-            eligible = is_swappable_dtype(template.dtype) and counted >= max(min_numel, 1)
-            nbytes = numel * template.dtype.itemsize
+            numel, dtype = torch.Size(template.shape).numel(), template.dtype
+            movable = is_swappable_dtype(dtype)
         else:
             local = local_tensor(template)
-            if key == REMAINDER_KEY:
-                min_numel = local.numel() if remainder_numel(local.numel()) >= min_numel else local.numel() + 1
-            eligible = is_swappable(local, min_numel=min_numel)
-            nbytes = local.numel() * local.element_size()
-        return nbytes if eligible else None
+            numel, dtype = local.numel(), local.dtype
+            movable = is_swappable(local, min_numel=0)  # its dtype and layout; its size is checked below
+        # A master's remainder counts as many elements as its master for min_numel (it goes with the moments).
+        counted = remainder_numel(numel) if key == REMAINDER_KEY else numel
+        return numel * dtype.itemsize if movable and counted >= max(self.min_numel, 1) else None
