@@ -9,6 +9,8 @@ modeled backward must take that copy off the step's critical path.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -94,9 +96,10 @@ def test_a_prefetched_batch_is_copied_once(buffers: int) -> None:
     assert copies[0] == copies[1], copies
 
 
-def test_edits_and_loads_between_prefetch_and_step_are_followed() -> None:
+@pytest.mark.parametrize("buffers", [2, 3], ids=["two_buffers", "three_buffers"])
+def test_edits_and_loads_between_prefetch_and_step_are_followed(buffers: int) -> None:
     sim = SimBackend(mode="lazy")
-    plain_params, plain, params, swapped = _pair(sim)
+    plain_params, plain, params, swapped = _pair(sim, staging_buffers=buffers, swap_times=4)
     for step in range(2):
         _grads(step, plain_params, params)
         plain.step()
@@ -143,6 +146,30 @@ def test_a_failed_prefetch_leaves_nothing_pending_and_the_step_runs(packed: bool
     plain.step()
     swapped.step()
     _assert_same(plain, plain_params, swapped, params, "after a failed prefetch")
+
+
+def test_an_optimizer_collected_with_its_prefetch_in_flight_leaves_a_twin_unharmed() -> None:
+    """``del opt; gc.collect()`` right after a prefetch of two batches (three buffers) that the lazy simulator has
+    not run: the collection waits for the copy-ins, the simulator sees no race on the freed memory, and a twin on
+    the same backend steps bitwise as the plain optimizer."""
+    sim = SimBackend(mode="lazy")
+    _, _, params, swapped = _pair(sim, staging_buffers=3, swap_times=4)
+    _grads(0, params)
+    swapped.step()
+    swapped.prefetch()
+    assert swapped.prefetched
+    del swapped
+    gc.collect()
+    sim.synchronize()
+    assert not sim.races, sim.races
+    plain_params, plain, twin_params, twin = _pair(sim, staging_buffers=3, swap_times=4)
+    for step in range(3):
+        _grads(step, plain_params, twin_params)
+        plain.step()
+        twin.step()
+        twin.prefetch()
+    _assert_same(plain, plain_params, twin, twin_params, "a twin after the collection")
+    assert not sim.races, sim.races
 
 
 @pytest.mark.parametrize(("buffers", "prefetched"), [(2, 1), (3, 2), (4, 4), (5, 4)])
