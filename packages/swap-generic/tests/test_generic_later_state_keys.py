@@ -8,6 +8,7 @@ the next ``add_param_group`` (its step) and every checkpoint load were refused (
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -132,3 +133,80 @@ def test_a_key_the_optimizer_never_adds_is_still_refused_at_load() -> None:
     with pytest.raises(StateDictMismatchError, match=r"'extra', which AveragesFrom did not create"):
         swapped.load_state_dict(checkpoint)
     assert_state_dicts_equal(before, swapped.state_dict(), "after the refused load")
+
+
+def _assert_swapped(optimizer: SwapOptimizer, params: list[torch.Tensor], keys: set[str], where: str) -> None:
+    """Every parameter of at least 32 elements (the tests' ``min_numel``) has ``keys`` in host memory, no other
+    parameter any."""
+    layout = optimizer.host_layout()
+    for index, param in enumerate(params):
+        expected = keys if param.numel() >= 32 else set()
+        assert layout.swapped_keys(param) == expected, f"{where}: parameter {index} swaps {layout.swapped_keys(param)}"
+
+
+def test_a_key_added_to_an_existing_state_moves_to_host_memory_after_its_batch() -> None:
+    """The average begins at the third step: it goes to host memory right after each batch adds it, as a fresh
+    state's keys do (before: it stayed on the device, unswapped, until a checkpoint load). Bitwise the plain
+    optimizer before and after."""
+    twin_params, params = _params(), _params()
+    twin, swapped = AveragesFrom(twin_params, start=2), _swapped(params, start=2)
+    pairs = [(twin_params, twin), (params, swapped)]
+    _step_both(pairs, range(2), "before the average")
+    _assert_swapped(swapped, params, {"momentum_buffer"}, "before the average")
+    momentum_only = swapped.stats.host_state_bytes
+    _step_both(pairs, range(2, 3), "the step that begins the average")
+    _assert_swapped(swapped, params, {"momentum_buffer", "average"}, "the step that began the average")
+    assert swapped.stats.host_state_bytes > 2 * sum(param.numel() * 4 for param in params) > momentum_only
+    assert swapped.stats.batches == 3
+    _step_both(pairs, range(3, 6), "after the average began")
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 8)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(inputs))
+
+
+@pytest.mark.parametrize(
+    "clip,provisional", [(False, True), (True, True), (False, False)], ids=["committed", "taken_back", "unprovisional"]
+)
+def test_inside_the_backward_a_key_added_to_an_existing_state_moves_to_host_memory_when_the_step_ends(
+    clip: bool, provisional: bool
+) -> None:
+    """Inside the backward the average waits on the device for the step to end (a provisional walk's store is not
+    added to): it moves to host memory once the step commits (or, without provisional updates, ends); a step taken
+    back (clipped) drops it, and the step run
+    again after the backward moves it after its batch. Bitwise the plain optimizer."""
+    torch.manual_seed(0)
+    model = _Layers()
+    twin_model = copy.deepcopy(model)
+    twin = AveragesFrom(twin_model.parameters(), start=3)
+    config = SwapConfig(
+        backend=SimBackend(mode="random", seed=2),
+        swap_times=2,
+        min_numel=32,
+        step="in_backward",
+        provisional_updates=provisional,
+    )
+    swapped = swap_optimizer(AveragesFrom(model.parameters(), start=3), config)
+    inputs = torch.randn(4, 16)
+    params = list(model.parameters())
+    for step in range(6):
+        for some_model, optimizer in ((twin_model, twin), (model, swapped)):
+            some_model(inputs).pow(2).sum().backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(list(some_model.parameters()), 0.5)  # binds: taken back
+            optimizer.step()
+            optimizer.zero_grad()
+        if step >= 1:  # the first step runs after the backward (no state yet)
+            stats = swapped.stats
+            assert (stats.batches_taken_back > 0) == clip and (stats.batches_in_backward > 0) != clip, stats
+        keys = {"momentum_buffer", "average"} if step >= 3 else {"momentum_buffer"}  # the average begins at step 3
+        _assert_swapped(swapped, params, keys, f"step {step}")
+        for index, (want, got) in enumerate(zip(twin_model.parameters(), params, strict=True)):
+            assert_bitwise_equal(want, got, f"step {step}: parameter {index}")
+    assert_state_dicts_equal(twin.state_dict(), swapped.state_dict(), "after 6 steps")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.master_weights import masters_presented, model_param
 from swap_core.torch_compat import step_hooks_silenced
 
+from .first_parameter_values import FirstParameterValues
 from .group_recheck import group_switch, snapshot
 from .nested_states import (
     SEPARATOR,
@@ -88,6 +89,9 @@ class GenericAdapter(StateSwapAdapter):
         """The state keys that hold nested dicts of tensors and numbers, kept flat between steps
         (:mod:`.nested_states`)."""
         self.needs_parameter_order = _order_needed(verdict)
+        self._first_keys: set[str] = set(verdict.first_parameter_keys)
+        """Keys of a group's value the step keeps in the state of the group's first parameter (a step count), lent
+        to the first parameter of each batch (:mod:`.first_parameter_values`)."""
         self._later_keys: set[str] = set(verdict.later_keys)
         """Keys the step adds to a state, or removes from it, after the step that created it (seen by the probe or
         in a step since): a state may lack them or hold them."""
@@ -101,6 +105,7 @@ class GenericAdapter(StateSwapAdapter):
         self._signatures = WeakIdKeyDictionary()
         self._group_values: GroupValues | None = None
         self._narrowed: NarrowedGroups | None = None
+        self._first_values: FirstParameterValues | None = None
         self._stepped = False
         self._warned_subclass = False
         for group in optimizer.param_groups:  # states made by the constructor (Adagrad's) or loaded before wrapping
@@ -134,6 +139,8 @@ class GenericAdapter(StateSwapAdapter):
         self._recheck_groups()
         values = self._group_values = GroupValues(self.optimizer)
         self._narrowed = NarrowedGroups(self.optimizer)
+        keys = self._first_keys
+        self._first_values = FirstParameterValues(self.optimizer, frozenset(keys)) if keys else None
         self._stepped = False
         try:
             with step_hooks_silenced(self.optimizer):
@@ -147,6 +154,7 @@ class GenericAdapter(StateSwapAdapter):
         finally:
             self._group_values = None
             self._narrowed = None
+            self._first_values = None
 
     def _recheck_groups(self) -> None:
         """Probe the optimizer again, before any batch, when a group option switched or a group was added since the
@@ -175,6 +183,7 @@ class GenericAdapter(StateSwapAdapter):
                 "value set (its batches then follow torch's order, after the backward)"
             )
         self._later_keys.update(verdict.later_keys)
+        self._first_keys.update(verdict.first_parameter_keys)
         self._nests |= verdict.nests
         self._probed_groups = snapshot(self.optimizer.param_groups)
 
@@ -210,13 +219,25 @@ class GenericAdapter(StateSwapAdapter):
 
     def _nested_step(self, batch: UpdateBatch) -> None:
         """The narrowed step over ``batch``, its states in the nested form the optimizer keeps them in (flat again
-        after: :mod:`.nested_states`)."""
-        if not self._nests:
-            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
-            return
-        with nested_for_the_step(batch.states, self._nests) as found:
-            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+        after: :mod:`.nested_states`), a group's values kept in its first parameter's state lent to the batch's first
+        one (:mod:`.first_parameter_values`)."""
+        first_values = self._first_values
+        with contextlib.ExitStack() as lent:
+            if first_values is not None:
+                owners = batch.params if batch.model_params is None else batch.model_params
+                lent.enter_context(first_values.lent(batch.group, owners, batch.params))
+            if not self._nests:
+                self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+                return
+            with nested_for_the_step(batch.states, self._nests) as found:
+                self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
         self._nests |= found  # a nested dict the step added to a state
+
+    def entries_written_beside(self, group: dict[str, Any], params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The group's first parameter, for a batch that writes the group's values kept in its state from outside
+        (:meth:`.FirstParameterValues.entries_written_beside`)."""
+        first_values = self._first_values
+        return () if first_values is None else first_values.entries_written_beside(group, params)
 
     def _created(self, fresh: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """``(model param, state)`` of the states the step just created for ``fresh``, in their flat form."""

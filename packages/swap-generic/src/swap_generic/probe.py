@@ -46,6 +46,7 @@ from swap_core.errors import UnsupportedOptimizerError
 from swap_core.torch_compat import step_hooks_silenced
 
 from .delegation import held_parameter, inner_optimizer
+from .first_parameter_values import FirstParameterValues
 from .nested_states import flat_state, is_nest, nest_clash, nest_problem
 from .random_draws import DrawWatch
 from .sandbox import Sandbox
@@ -105,6 +106,10 @@ class ProbeVerdict:
     """Keys the step added to a stand-in's state, or removed from it, after the step that created the state (an
     SWA-style average begun at the second step): a parameter's state may lack them, or hold them, as the optimizer
     goes."""
+    first_parameter_keys: frozenset[str] = frozenset()
+    """Keys the step keeps only in the state of its group's first parameter and reads for the whole group (a step
+    count): the stand-ins stepped one at a time, with those values lent to each (:mod:`.first_parameter_values`), left
+    everything as stepped together."""
     draws_random: str | None = None
     """The generators the step drew random numbers from over the stand-ins (noise added in the step, a state
     initialised from the RNG), named (:mod:`swap_generic.random_draws`); or ``None``. Each draw lands on the
@@ -149,6 +154,7 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
     keys: set[str] = set()
     nests: set[str] = set()
     later: set[str] = set()
+    first: set[str] = set()
     draws: dict[str, None] = {}
     shaped: set[str] | None = None
     sandbox = Sandbox(optimizer)
@@ -167,6 +173,7 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
                 keys |= outcome.keys
                 nests |= outcome.nests
                 later |= outcome.later
+                first |= outcome.first
                 draws.update(dict.fromkeys(outcome.draws or ()))
                 shaped = outcome.param_shaped if shaped is None else shaped & outcome.param_shaped
     return ProbeVerdict(
@@ -175,6 +182,7 @@ def probe_step(optimizer: torch.optim.Optimizer) -> ProbeVerdict:
         nests=frozenset(nests),
         param_shaped_keys=frozenset(shaped or ()),
         later_keys=frozenset(later),
+        first_parameter_keys=frozenset(first),
         draws_random=" and ".join(draws) or None,
     )
 
@@ -198,8 +206,9 @@ def _refusal(
         return ProbeVerdict(
             coupled=f"it keeps {outcome.key!r} only in the state of its group's first parameter (param group {index}'s "
             f"parameter 0, shape {tuple(first.shape)}), where the step reads it for every parameter of the group "
-            "(stepped together, only the first stand-in's state held it): run batch by batch, the first parameter of "
-            f"each batch would keep a counter of its own. Keep it in the param group (group[{outcome.key!r}]) or in "
+            "(stepped together, only the first stand-in's state held it), and it is not a value of the group: lent to "
+            "the first stand-in of each batch as the group's first parameter held it when the step began, stepping "
+            f"them one at a time {outcome.why} ({inputs}). Keep it in the param group (group[{outcome.key!r}]) or in "
             "every parameter's state"
         )
     if isinstance(outcome, _Container):
@@ -250,6 +259,8 @@ class _Container:
 class _FirstParameterState:
     key: str
     """A key only the first stand-in's state holds stepped together, and a later one's too stepped alone."""
+    why: str
+    """What stepping the stand-ins one at a time, with such keys lent, did otherwise than stepping them together."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +269,7 @@ class _Keys:
     nests: set[str]
     param_shaped: set[str]
     later: set[str]
+    first: set[str]
     draws: tuple[str, ...] = ()
     """The generators the twins' steps drew from."""
 
@@ -293,8 +305,12 @@ def _compare(
         if isinstance(apart, _Unknown):
             return f"stepping the stand-ins one at a time failed where stepping them together did not ({apart.reason})"
         first_only = together.first_parameter_keys(apart)
-        if first_only:
-            return _FirstParameterState(first_only[0])
+        if first_only:  # a value of the group kept in its first parameter's state: lent to each batch's first one
+            apart = twins(apart=True, lent_keys=frozenset(first_only))
+            why = _lending_difference(together, apart)
+            if why is not None:
+                return _FirstParameterState(first_only[0], why)
+            assert not isinstance(apart, _Unknown)
         if apart.failure is not None and together.failure is None:
             return _FailsApart(
                 f"stepping the stand-ins one at a time failed where stepping them together did not ({apart.failure})"
@@ -307,7 +323,8 @@ def _compare(
             return container
         drawn = () if together.draws is None else (together.draws,)
         keys = together.state_keys()
-        return _Keys(keys, together.nests, together.param_shaped_keys(), together.later_keys(), drawn)
+        first = set(first_only)
+        return _Keys(keys, together.nests, together.param_shaped_keys(), together.later_keys(), first, drawn)
     assert failed is not None
     return failed
 
@@ -449,6 +466,7 @@ def _stepped(
     apart: bool,
     constructed: bool,
     with_graph: bool = False,
+    lent_keys: frozenset[str] = frozenset(),
 ) -> _Outcome | _Unknown:
     """A twin of the sandbox's optimizer over two stand-ins of group ``index``, after :data:`PROBE_STEPS` steps
     (``with_graph``: their gradients carry a graph, see :func:`_with_graph`).
@@ -461,7 +479,9 @@ def _stepped(
     # Meta tensors hold no values to compare (swap-bench's planner steps them): the stand-ins live on the CPU.
     device = torch.device("cpu") if like.is_meta else like.device
     standins = _standins(like.dim(), device, generator)
-    steps = _ProbeSteps(index, standins, gradient_of, generator, apart=apart, with_graph=with_graph)
+    steps = _ProbeSteps(
+        index, standins, gradient_of, generator, apart=apart, with_graph=with_graph, lent_keys=lent_keys
+    )
     with _seeded_rng(device):
         twin = sandbox.twin(index, standins, constructed=constructed)
         if twin is None:
@@ -494,6 +514,9 @@ class _ProbeSteps:
     generator: torch.Generator
     apart: bool
     with_graph: bool
+    lent_keys: frozenset[str] = frozenset()
+    """Keys of the group's first stand-in's state lent to each stand-in stepped alone
+    (:mod:`.first_parameter_values`)."""
     taken: int = 0
     """How many steps finished (the step that raised is the next)."""
     first_keys: list[set[str]] = dataclasses.field(default_factory=list)
@@ -514,7 +537,7 @@ class _ProbeSteps:
                 for standin, grad in zip(self.standins, grads, strict=True):
                     standin.grad = grad
                 if self.apart:
-                    _step_one_at_a_time(twin, step, self.index, self.standins)
+                    _step_one_at_a_time(twin, step, self.index, self.standins, self.lent_keys)
                 else:
                     step()
                 self.taken += 1
@@ -557,16 +580,33 @@ def _with_graph(standins: list[torch.Tensor], grads: list[torch.Tensor]) -> list
         return list(torch.autograd.grad(loss, standins, create_graph=True))
 
 
+def _lending_difference(together: _Outcome, apart: _Outcome | _Unknown) -> str | None:
+    """What the stand-ins stepped one at a time with the first stand-in's values lent did otherwise than stepped
+    together, or ``None``."""
+    if isinstance(apart, _Unknown):
+        return f"failed ({apart.reason})"
+    if apart.failure is not None and together.failure is None:
+        return f"failed ({apart.failure})"
+    return together.difference(apart)
+
+
 def _step_one_at_a_time(
-    twin: torch.optim.Optimizer, step: Callable[[], Any], index: int, standins: list[torch.Tensor]
+    twin: torch.optim.Optimizer,
+    step: Callable[[], Any],
+    index: int,
+    standins: list[torch.Tensor],
+    first_keys: frozenset[str],
 ) -> None:
-    """One probe step as swap-generic runs a step: each stand-in a batch of its own, group values kept per batch."""
+    """One probe step as swap-generic runs a step: each stand-in a batch of its own, group values kept per batch, the
+    values of ``first_keys`` lent to each batch's first stand-in."""
     values = GroupValues(twin)
+    first_values = FirstParameterValues(twin, first_keys)
     narrowed = NarrowedGroups(twin)
     target = twin.param_groups[index]
     for batch, standin in enumerate(standins):
         values.before_batch()
-        narrowed.run(step, target, [standin])
+        with first_values.lent(target, [standin], [standin]):
+            narrowed.run(step, target, [standin])
         values.after_batch(batch, held=target)
 
 

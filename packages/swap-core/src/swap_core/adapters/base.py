@@ -163,6 +163,14 @@ class StateSwapAdapter(abc.ABC):
         """
         return contextlib.nullcontext()
 
+    def entries_written_beside(self, group: dict[str, Any], params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The parameters, other than ``params``, whose entries of ``state`` the :meth:`update` of ``params`` (a share
+        of ``group``, about to run) writes too; the runtime keeps their resident values with the batch's, so that a
+        failed step's journal and a take-back of a step begun inside the backward put them back. swap-generic names
+        the group's first parameter where it keeps a group's step counter there. ``params`` are the model's
+        parameters (not masters). Default: none."""
+        return ()
+
     def state_mismatch(self, param: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
         """Why the non-empty ``state`` of ``param`` is not what this family's update reads, or ``None``.
 

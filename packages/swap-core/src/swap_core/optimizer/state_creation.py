@@ -29,6 +29,9 @@ ParamsWithGrad = Callable[[], list[tuple[int, torch.Tensor]]]
 class StatesBeforeTheStep:
     """Missing states made from the adapter's ``initial_state`` before any batch runs."""
 
+    update_adds_keys = False
+    """The update writes the states made for it, adding no key."""
+
     def __init__(self, adapter: StateSwapAdapter, masters: Masters) -> None:
         self.adapter = adapter
         self.masters = masters
@@ -76,6 +79,10 @@ class StatesBeforeTheStep:
 class StatesMadeByTheUpdate:
     """States the optimizer's own step makes on the device, batch by batch: each batch's go to host memory before
     the next batch makes its own, and they are packed after the step."""
+
+    update_adds_keys = True
+    """The optimizer's own step may add a key to a state it made at an earlier step (an SWA-style average begun
+    later): such keys go to host memory like a fresh state's."""
 
     def __init__(self, masters: Masters) -> None:
         self.masters = masters

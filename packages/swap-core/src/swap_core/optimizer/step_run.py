@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -126,6 +126,7 @@ class StepRun:
         """Update ``batch`` on the device: its states' device copies stand in ``state`` meanwhile."""
         sync, creation = self.sync, self.setup.creation
         fresh: list[torch.Tensor] = []
+        grown: list[torch.Tensor] = []
         self.updates_begun += 1
         with _device_states_in_place(batch):
             for group_index, segment_params, segment_states, where in batch.segments:
@@ -143,13 +144,36 @@ class StepRun:
                     group = sync.param_groups[group_index]
                     if self._journal is not None:
                         self._journal.record(params, states)
+                    beside = self.setup.adapter.entries_written_beside(group, params)
+                    if beside:
+                        self._keep_beside(beside)
+                    # An update that makes its states may add a key to one it made before (an SWA average).
+                    counts = list(map(len, states)) if creation.update_adds_keys else None
                     self.setup.update.update(UpdateBatch(group, params, grads, states, batch.index))
-        if fresh:
-            # States the update just created on the device go to host memory now, before the next batch
-            # creates its own (one batch of fresh states on the device at a time).
-            sync.offload_existing_states(fresh, unpacked=True)
-            sync.changed()  # the batches are bound to the entries of state that existed before
+                    if counts is not None and counts != list(map(len, states)):
+                        pairs = zip(params, states, counts, strict=True)
+                        grown += [param for param, state, count in pairs if len(state) > count]
+        if fresh or grown:
+            self._move_made_states(fresh, grown)
         self.batches_updated += 1
+
+    def _move_made_states(self, fresh: list[torch.Tensor], grown: list[torch.Tensor]) -> None:
+        """States the update just created on the device (``fresh``), and keys it added to existing states
+        (``grown``), go to host memory now, before the next batch creates its own (one batch of them on the device
+        at a time)."""
+        made = {id(param) for param in fresh}
+        self.sync.offload_existing_states([*fresh, *(param for param in grown if id(param) not in made)], unpacked=True)
+        self.sync.changed()  # the batches are bound to the entries of state that existed before
+
+    def _keep_beside(self, params: Sequence[torch.Tensor]) -> None:
+        """The entries of ``params`` (outside the batch) that the batch's update writes too, kept by the journal."""
+        if self._journal is not None:
+            self._journal.beside.keep(self.entries_with_swapped_keys(params))
+
+    def entries_with_swapped_keys(self, params: Sequence[torch.Tensor]) -> list[tuple[dict[str, Any], frozenset[str]]]:
+        """``(entry of state, its swapped keys)`` of each of ``params``."""
+        state, slots = self.sync.state, self.sync.store.slots
+        return [(state[param], frozenset(slots.get(param, NO_ENTRY))) for param in params]
 
     # -- a failed step ------------------------------------------------------------------
     def _step_journal(self) -> StepJournal | None:
@@ -191,6 +215,7 @@ class StepRun:
                         local_tensor(slots[key].host_value).copy_(value)
                 else:
                     local_tensor(entry[key]).copy_(value)
+        journal.beside.put_back()
         for param in journal.created:  # the states this step made go, as if it never ran
             if param in state:
                 del state[param]

@@ -25,6 +25,7 @@ import torch
 
 from ..backends.protocol import DeviceBackend
 from ..dtensor import local_tensor
+from .kept_entries import KeptEntries
 
 __all__ = ["StepJournal", "note_on", "note_partial_step"]
 
@@ -43,6 +44,9 @@ class StepJournal:
         self.saved_states: list[tuple[torch.Tensor, dict[str, Any]]] = []
         """``(parameter, its state before the update)``: tensors as host copies of their local values, other values
         as they were."""
+        self.beside = KeptEntries()
+        """Entries outside the updated batches that their updates wrote (an adapter's
+        :meth:`~swap_core.adapters.StateSwapAdapter.entries_written_beside`), resident values as they were."""
 
     def record(self, params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]]) -> None:
         """Keep ``params``' values (and their states'); call right before an update writes them, on the stream the

@@ -20,7 +20,7 @@ them once the step committed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..backends.protocol import DeviceBackend, Event, Stream
 from ..dtensor import local_tensor
 from ..errors import SwapStateError
+from .kept_entries import KeptEntries
 
 __all__ = ["UpdateUndo"]
 
@@ -42,9 +43,8 @@ class UpdateUndo:
         """A pinned host buffer per parameter, made at its first keep and reused (dropped with the parameter)."""
         self._kept_params: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(parameter's local tensor, its host buffer)`` of each parameter kept since the last clear."""
-        self._kept_states: list[tuple[dict[str, Any], dict[str, Any], frozenset[str]]] = []
-        """``(state entry, its resident values as they were, its swapped keys)`` of each parameter kept since the
-        last clear."""
+        self._kept_states = KeptEntries()
+        """The state entries of each parameter kept since the last clear, with their resident values as they were."""
         self._from_masters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """``(parameter, its local tensor, its master's host mirror)`` of each parameter restored from its master."""
         self._left: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -86,8 +86,7 @@ class UpdateUndo:
     def keep_states(self, states: Iterable[tuple[dict[str, Any], frozenset[str]]]) -> None:
         """The resident values of each ``(state entry, its swapped keys)``, as they are now (right before an
         update)."""
-        for entry, swapped in states:
-            self._kept_states.append((entry, _resident_values(entry, swapped), swapped))
+        self._kept_states.keep(states)
 
     def restore(self, *, compute: Stream, left_to_a_step: Callable[[torch.Tensor], bool] | None = None) -> None:
         """Put every kept parameter and resident state back (the host waits for the copies), then forget them.
@@ -106,8 +105,7 @@ class UpdateUndo:
                 self._left.append((local, master))
             else:
                 _twice(failed, local, functools.partial(self._round_from, local, master, compute))
-        for entry, values, swapped in reversed(self._kept_states):
-            _put_back(entry, values, swapped)
+        self._kept_states.put_back()
         backend.synchronize()  # the host buffers are free to be written by the next keep
         self.clear()
         _refuse_failed(failed)
@@ -139,7 +137,7 @@ class UpdateUndo:
     def clear(self) -> None:
         """Forget what was kept (the step committed)."""
         self._kept_params = []
-        self._kept_states = []
+        self._kept_states.clear()
         self._from_masters = []
 
     def _host_buffer(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -173,31 +171,3 @@ def _refuse_failed(failed: list[torch.Tensor]) -> None:
             "values while the optimizer's states are as before that backward; reload the model and the optimizer "
             "from a checkpoint"
         )
-
-
-def _resident_values(entry: Mapping[str, Any], swapped: frozenset[str]) -> dict[str, Any]:
-    """The values of ``entry`` that are not swapped, as they are now (tensors cloned where they live)."""
-    return {
-        key: value.detach().clone() if isinstance(value, torch.Tensor) else value
-        for key, value in entry.items()
-        if key not in swapped
-    }
-
-
-def _put_back(entry: dict[str, Any], values: Mapping[str, Any], swapped: frozenset[str]) -> None:
-    """``entry``'s resident values as kept: written back in place where the tensor is the same shape and dtype, set
-    otherwise; keys the update added are removed (a swapped key is the store's)."""
-    for key in [key for key in entry if key not in values and key not in swapped]:
-        del entry[key]
-    for key, value in values.items():
-        current = entry.get(key)
-        if (
-            isinstance(value, torch.Tensor)
-            and isinstance(current, torch.Tensor)
-            and current.shape == value.shape
-            and current.dtype == value.dtype
-        ):
-            with torch.no_grad():
-                current.copy_(value)
-        else:
-            entry[key] = value

@@ -113,8 +113,9 @@ class Started:
 
 def commit(started: Started, scheduler: PipelineScheduler, sync: StateSync, take_back: TakeBack) -> None:
     """Nothing the provisional updates of ``started`` read changed: the batches left update now (and the last batch's
-    held copy-out is issued), and the step commits (the spare host copies become the mirrors, copying nothing). Should
-    that fail, the step is taken back before the error propagates: nothing changed, and ``step()`` may run again."""
+    held copy-out is issued), and the step commits (the spare host copies become the mirrors, copying nothing); keys
+    its updates added to existing states then go to host memory. Should that fail, the step is taken back before the
+    error propagates: nothing changed, and ``step()`` may run again."""
     try:
         try:
             scheduler.end(started.walk, trace=started.trace)
@@ -133,13 +134,15 @@ def commit(started: Started, scheduler: PipelineScheduler, sync: StateSync, take
     started.walk.plan.flip_host_copies()
     sync.mirrors_moved()
     take_back.closed()
+    started.run.move_grown_states()
 
 
 def end_as_begun(
     started: Started, scheduler: PipelineScheduler, param_groups: list[dict[str, Any]]
 ) -> tuple[list[str], list[torch.Tensor]]:
-    """Without provisional updates: the rest of the step with the values it began with; what changed since, for the
-    refusal after it (the param groups' values, the gradients edited)."""
+    """Without provisional updates: the rest of the step with the values it began with (keys its updates added to
+    existing states then go to host memory); what changed since, for the refusal after it (the param groups' values,
+    the gradients edited)."""
     changed = started.groups.changes(param_groups)
     try:
         with started.groups.in_place(param_groups):
@@ -148,6 +151,7 @@ def end_as_begun(
         started.run.finish()
     finally:
         started.close()
+    started.run.move_grown_states()
     return changed, edited
 
 

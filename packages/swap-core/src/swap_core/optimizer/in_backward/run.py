@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ...backends.protocol import Event, Stream
@@ -37,6 +39,9 @@ class InBackwardRun(StepRun):
         """Each parameter a batch updated, with its version right after (an edit since shows there)."""
         self._kept: dict[int, Event | None] = {}
         """The copy of each batch's parameters issued with its copy-in, by batch index, until its update."""
+        self._grown: list[torch.Tensor] = []
+        """Parameters whose existing states a batch's update added keys to, moved to host memory once the step
+        ended (:meth:`move_grown_states`)."""
 
     def release(self) -> None:
         super().release()
@@ -94,6 +99,26 @@ class InBackwardRun(StepRun):
         state = self.sync.state
         updated = [param for _, param in batch.params if param.grad is not None]
         self._undo.keep_states((state[param], frozenset(swapped.get(id(param), ()))) for param in updated)
+
+    def _move_made_states(self, fresh: list[torch.Tensor], grown: list[torch.Tensor]) -> None:
+        """Keys an update added to existing states wait on the device for the step to end (a provisional walk's store
+        is not added to: its commit makes every slot's spare copy current); no state is made inside the backward."""
+        self._grown += grown
+        if fresh:
+            super()._move_made_states(fresh, [])
+
+    def move_grown_states(self) -> None:
+        """The step ended (committed, or run as it began): the keys its updates added to existing states go to host
+        memory, as after a step after the backward."""
+        grown, self._grown = self._grown, []
+        if grown:
+            self.sync.offload_existing_states(grown)
+
+    def _keep_beside(self, params: Sequence[torch.Tensor]) -> None:
+        """Kept for a take-back too (provisional updates)."""
+        super()._keep_beside(params)
+        if self._undo is not None:
+            self._undo.keep_states(self.entries_with_swapped_keys(params))
 
     def edited_params(self) -> list[torch.Tensor]:
         """The parameters written since their batch updated them (by the user, between backward() and step())."""
