@@ -15,6 +15,7 @@ group and the parameter that blocked, and the fix.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -384,6 +385,40 @@ def test_a_step_taken_back_inside_the_backward_puts_back_the_count_its_batches_w
         assert swapped.state[model.unused]["step"] == twin.state[twin_model.unused]["step"] == step + 1
     _assert_as_twin(list(model.parameters()), swapped, list(twin_model.parameters()), twin)
     assert in_backward > 0 and taken_back > 0, (in_backward, taken_back)
+
+
+@pytest.mark.parametrize("ending", ["zero_grad", "collected"])
+def test_a_step_begun_inside_the_backward_and_abandoned_leaves_the_count_as_before_it(ending: str) -> None:
+    """The batches of a backward wrote the group's count into its first parameter's state (it has no gradient); the
+    loop then abandons the step (``zero_grad()`` without ``step()``) or drops the optimizer (``del``, collected): the
+    step is taken back, that count included, and the parameters and states are the plain optimizer's, which skipped
+    that iteration."""
+    torch.manual_seed(0)
+    model = _Unused()
+    twin_model = copy.deepcopy(model)
+    twin = FirstParameterCounter(twin_model.groups())
+    wrapped = FirstParameterCounter(model.groups())
+    config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=4, min_numel=8, step="in_backward")
+    swapped = swap_optimizer(wrapped, config)
+    inputs = torch.randn(4, 16)
+    for _ in range(3):
+        for some_model, optimizer in ((twin_model, twin), (model, swapped)):
+            some_model(inputs).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    # Its batches update inside the backward and write the count (reading the state now would take them back: the
+    # host reads the state as it was before the backward).
+    model(inputs).pow(2).sum().backward()
+    if ending == "zero_grad":
+        swapped.zero_grad()
+    else:
+        del swapped
+        gc.collect()
+    assert wrapped.state[model.unused]["step"] == twin.state[twin_model.unused]["step"] == 3
+    for index, (expected, actual) in enumerate(zip(twin_model.parameters(), model.parameters(), strict=True)):
+        assert_bitwise_equal(expected, actual, f"after the abandoned step: parameter {index}")
+    if ending == "zero_grad":
+        assert_state_dicts_equal(twin.state_dict(), wrapped.state_dict(), "after the abandoned step")
 
 
 COUNTER_CASE = ConformanceCase(
