@@ -107,31 +107,17 @@ CASES = [
     ),
 ]
 
-READ_THE_LIVE_STATE = ("test_conformance_torch_habits", "test_conformance_master_weights")
-"""Checks that read opt.state[p] between steps, where the swapped optimizer holds the flat form: the torch habits
-(those that do not run in test_torch_habits_that_leave_the_live_state_alone) and the master-weights check's comparison
-of live states (test_master_weights_run_over_the_nested_states compares checkpoints instead)."""
-
-globals().update(
-    {name: test for name, test in make_conformance_tests(CASES).items() if name not in READ_THE_LIVE_STATE}
-)
-
-FLAT_BETWEEN_STEPS = {
-    "state_resets": "replaces a state tensor the checkpoint holds at the top of a state (the moments are nested there)",
-    "incomplete_checkpoints": "drops a swapped key the checkpoint holds at the top of a state (the same)",
-    "state_edits_in_place": "edits every tensor it finds in opt.state[p]: the plain optimizer's nested moments are "
-    "not among them, the swapped one's flat moments are (a limit, docs/generic.md)",
-    "load_through_the_wrapped_optimizer": "refused (test_a_nested_dict_in_the_live_state_is_refused_before_the_step)",
-}
-"""The torch habits that meet the flat form of the live state, and why."""
+globals().update(make_conformance_tests(CASES))
 
 
-@pytest.mark.parametrize("habit", [habit for habit in HABIT_CHECKS if habit not in FLAT_BETWEEN_STEPS])
+@pytest.mark.parametrize("habit", sorted(HABIT_CHECKS))
 @pytest.mark.parametrize("step", ["after_backward", "in_backward"])
 @pytest.mark.parametrize("mode,seed", [("lazy", 0), ("random", 5)], ids=["lazy0", "random5"])
-def test_torch_habits_that_leave_the_live_state_alone(
+def test_torch_habits_over_the_nested_live_state(
     habit: str, step: str, mode: str, seed: int, swap_backend_factory: BackendFactory
 ) -> None:
+    """Every torch habit (resets, edits in place, loads through the wrapped optimizer...) meets the nested dict where
+    torch's optimizer keeps it, after and inside the backward."""
     HABIT_CHECKS[habit](CASES[0], swap_backend_factory(mode=mode, seed=seed), step=step)
 
 
@@ -192,15 +178,11 @@ def test_the_nested_tensors_live_in_host_memory_and_checkpoints_hold_the_nested_
     assert list(saved["state"][0]) == list(twin.state_dict()["state"][0])
     assert list(saved["state"][0]["moments"]) == list(twin.state_dict()["state"][0]["moments"])
     _assert_as_twin(params, swapped, twin_params, twin)
-    assert list(swapped.state[params[0]]) == _flat_keys(twin.state[twin_params[0]])
-
-
-def _flat_keys(entry: dict[str, Any]) -> list[str]:
-    """The keys of ``entry`` as a swapped optimizer keeps them between steps."""
-    keys = []
-    for key, value in entry.items():
-        keys += [f"{key}.{inner}" for inner in value] if isinstance(value, dict) else [key]
-    return keys
+    # Between steps the live state is torch's: the nested dict in its place, holding the host mirrors.
+    live, plain = swapped.state[params[0]], twin.state[twin_params[0]]
+    assert list(live) == list(plain) and list(live["moments"]) == list(plain["moments"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise_equal(plain["moments"][key], live["moments"][key], f"the live moments[{key!r}]")
 
 
 @pytest.mark.parametrize("step", ["after_backward", "in_backward"])
@@ -229,50 +211,57 @@ def test_master_weights_run_over_the_nested_states(packed: bool, step: str) -> N
         )
 
 
-def test_a_nested_dict_in_the_live_state_is_refused_before_the_step() -> None:
-    """Loaded through the wrapped optimizer (torch's load puts the nested dict back), or set by hand: refused before
-    any batch updates anything, saying how to load; the swapped optimizer's own load takes it."""
+def test_a_checkpoint_loaded_through_the_wrapped_optimizer_is_swapped_in_its_nested_place() -> None:
+    """torch's own load (through the wrapped optimizer) puts new nested dicts in the live state: their tensors are
+    taken into host memory before the next step, as for any state replaced by hand, and the steps go on bitwise."""
     twin_params, params = _params(), _params()
     twin, swapped = NestedAdamW([{"params": twin_params}]), _swapped(NestedAdamW, params)
     _run(twin_params, twin, range(2))
     _run(params, swapped, range(2))
     checkpoint = through_torch_save(twin.state_dict())
     swapped.optimizer.load_state_dict(through_torch_save(checkpoint))
-    before = [param.detach().clone() for param in params]
-    with pytest.raises(SwapStateError, match=r"holds 'moments' as a nested dict.*swapped.load_state_dict"):
-        _run(params, swapped, range(2, 3))
-    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
-        assert_bitwise_equal(expected, actual, f"parameter {index} after the refused step")
     twin.load_state_dict(through_torch_save(checkpoint))
-    swapped.load_state_dict(through_torch_save(checkpoint))
     _run(twin_params, twin, range(2, 5))
     _run(params, swapped, range(2, 5))
     _assert_as_twin(params, swapped, twin_params, twin)
+    assert swapped.host_layout().swapped_keys(params[0]) == {"moments.exp_avg", "moments.exp_avg_sq"}
 
 
-def test_states_nested_before_wrapping_are_refused_swapped_and_kept_unswapped() -> None:
-    """Made by steps before wrapping: refused at wrap time (wrap first, or load through the swapped optimizer),
-    the optimizer unchanged; unswapped (CPU parameters, backend="auto") the plain step keeps them as they are."""
-    twin_params, params = _params(), _params()
+def test_states_nested_before_wrapping_are_swapped_and_kept_unswapped() -> None:
+    """Made by steps before wrapping: their tensors move to host memory at wrap time, in their nested place; unswapped
+    (CPU parameters, backend="auto") the plain step keeps them as they are. Bitwise the plain optimizer either way."""
+    twin_params, params, cpu_params = _params(), _params(), _params()
     twin, optimizer = NestedAdamW([{"params": twin_params}]), NestedAdamW([{"params": params}])
-    _run(twin_params, twin, range(2))
-    _run(params, optimizer, range(2))
-    checkpoint = copy.deepcopy(optimizer.state_dict())
-    config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=16)
-    with pytest.raises(UnsupportedOptimizerError, match=r"holds 'moments' as a nested dict.*before wrapping"):
-        swap_optimizer(optimizer, config)
-    assert_state_dicts_equal(checkpoint, optimizer.state_dict(), "the refused optimizer's state dict")
-    unswapped = swap_optimizer(optimizer, SwapConfig(backend="auto"))
+    on_cpu = NestedAdamW([{"params": cpu_params}])
+    for some_params, some_optimizer in ((twin_params, twin), (params, optimizer), (cpu_params, on_cpu)):
+        _run(some_params, some_optimizer, range(2))
+    swapped = swap_optimizer(optimizer, SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=16))
+    assert swapped.host_layout().swapped_keys(params[0]) == {"moments.exp_avg", "moments.exp_avg_sq"}
+    unswapped = swap_optimizer(on_cpu, SwapConfig(backend="auto"))
     assert unswapped.backend is None
-    _run(twin_params, twin, range(2, 4))
-    _run(params, unswapped, range(2, 4))
-    _assert_as_twin(params, unswapped, twin_params, twin)
+    for some_params, some_optimizer in ((twin_params, twin), (params, swapped), (cpu_params, unswapped)):
+        _run(some_params, some_optimizer, range(2, 4))
+    _assert_as_twin(params, swapped, twin_params, twin)
+    _assert_as_twin(cpu_params, unswapped, twin_params, twin)
     saved = through_torch_save(twin.state_dict())
-    twin.load_state_dict(through_torch_save(saved))
-    unswapped.load_state_dict(through_torch_save(saved))
-    _run(twin_params, twin, range(4, 6))
-    _run(params, unswapped, range(4, 6))
-    _assert_as_twin(params, unswapped, twin_params, twin)
+    for some_params, some_optimizer in ((twin_params, twin), (params, swapped), (cpu_params, unswapped)):
+        some_optimizer.load_state_dict(through_torch_save(saved))
+        _run(some_params, some_optimizer, range(4, 6))
+    _assert_as_twin(params, swapped, twin_params, twin)
+    _assert_as_twin(cpu_params, unswapped, twin_params, twin)
+
+
+def test_a_nested_dict_set_by_hand_that_cannot_be_swapped_is_refused_before_the_step() -> None:
+    """A dict nested deeper put in the live state by hand: refused before any batch updates anything, naming it."""
+    params = _params()
+    swapped = _swapped(NestedAdamW, params)
+    _run(params, swapped, range(2))
+    swapped.state[params[0]]["moments"] = {"first": {"exp_avg": torch.zeros(16, 20)}}
+    before = [param.detach().clone() for param in params]
+    with pytest.raises(SwapStateError, match=r"holds state 'moments' as a dict \('first'\) nested deeper than one"):
+        _run(params, swapped, range(2, 3))
+    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
+        assert_bitwise_equal(expected, actual, f"parameter {index} after the refused step")
 
 
 class DeeperNest(NestedAdamW):
@@ -322,7 +311,7 @@ REFUSED: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], str]] = {
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_a_nest_that_cannot_be_kept_flat_is_refused_naming_it(name: str) -> None:
+def test_a_nest_that_cannot_be_swapped_is_refused_naming_it(name: str) -> None:
     make, message = REFUSED[name]
     twin_params, params = _params(), _params()
     twin, optimizer = make([{"params": twin_params}]), make([{"params": params}])
@@ -338,32 +327,62 @@ def test_a_nest_that_cannot_be_kept_flat_is_refused_naming_it(name: str) -> None
 
 
 class NestedWithModes(NestedAdamW):
-    """Has schedule-free's ``train()``/``eval()`` (told by ``train_mode`` in its groups), which swap-core runs over the
-    states as it keeps them: flat, where such a method would look for the nested dict."""
+    """Has schedule-free's ``train()``/``eval()`` (told by ``train_mode`` in its groups), which move each parameter
+    toward its first moment, read from the nested dict outside ``step()``."""
 
     def __init__(self, params: Any) -> None:
         super().__init__(params)
-        self.train()
-
-    def train(self) -> None:
         for group in self.param_groups:
             group["train_mode"] = True
 
+    def train(self) -> None:
+        self._switch(train_mode=True, weight=-0.25)
+
     def eval(self) -> None:
+        self._switch(train_mode=False, weight=0.2)
+
+    @torch.no_grad()
+    def _switch(self, *, train_mode: bool, weight: float) -> None:
         for group in self.param_groups:
-            group["train_mode"] = False
+            if group["train_mode"] != train_mode:
+                for param in group["params"]:
+                    moments = self.state[param].get("moments")
+                    if moments is not None:
+                        param.lerp_(end=moments["exp_avg"].to(param.device), weight=weight)
+                group["train_mode"] = train_mode
 
 
-def test_nested_states_read_outside_the_step_are_refused() -> None:
-    params = _params()
-    optimizer = NestedWithModes([{"params": params}])
-    before = [param.detach().clone() for param in params]
-    with pytest.raises(
-        UnsupportedOptimizerError,
-        match=r"keeps states as nested dicts \('moments'\), which swap-generic keeps flat between steps, and its "
-        r"train and eval read its states outside step\(\)",
-    ):
-        swap_optimizer(optimizer, SwapConfig(backend=SimBackend(mode="lazy"), swap_times=2, min_numel=16))
-    assert not optimizer.state
-    for index, (expected, actual) in enumerate(zip(before, params, strict=True)):
-        assert_bitwise_equal(expected, actual, f"parameter {index}")
+@pytest.mark.parametrize("master_weights", [False, True], ids=["plain", "master_weights"])
+def test_nested_states_read_outside_the_step_are_read_in_their_place(master_weights: bool) -> None:
+    """``eval()``/``train()`` read the first moment in the nested dict between steps (over the fp32 masters with
+    master weights): bitwise the plain optimizer (over fp32 masters), then and after more steps."""
+    params = mixed_precision_params() if master_weights else _params()
+    config = SwapConfig(
+        backend=SimBackend(mode="random", seed=6), swap_times=2, min_numel=16, master_weights=master_weights
+    )
+    swapped = swap_optimizer(NestedWithModes([{"params": params}]), config)
+    reference = MasterReference(mixed_precision_params(), lambda masters: NestedWithModes([{"params": masters}]))
+    twin_params = _params()
+    twin = NestedWithModes([{"params": twin_params}])
+    for steps in (range(3), range(3, 5)):
+        if master_weights:
+            for index in steps:
+                reference.set_grads(index, params)
+                reference.step()
+                swapped.step()
+        else:
+            _run(twin_params, twin, steps)
+            _run(params, swapped, steps)
+        for switch in ("eval", "train", "eval"):
+            getattr(swapped, switch)()
+            if master_weights:
+                getattr(reference.optimizer, switch)()
+                reference.copy_masters_to_params()
+                reference.assert_matches(swapped, params, f"after {switch}()")
+            else:
+                getattr(twin, switch)()
+                _assert_as_twin(params, swapped, twin_params, twin)
+        swapped.train()
+        twin.train()
+        reference.optimizer.train()
+        reference.copy_masters_to_params()

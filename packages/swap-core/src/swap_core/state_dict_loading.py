@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from .errors import StateDictMismatchError
 from .master_weights.in_checkpoints import check_master_shape, loaded_remainder, master_from_param, remainder_value
 from .master_weights.params import without_master
 from .master_weights.policy import Masters
+from .runtime.nested_entries import SEPARATOR
 from .runtime.slots import SwapSlot, memory_stride
 from .runtime.state_keys import MASTER_KEY, REMAINDER_KEY
 from .runtime.store import StateSource, StateStore
@@ -110,6 +112,9 @@ def _stage_entry(
     entry = loaded.state[param]  # an empty saved entry stays an empty entry, as torch's load keeps it
     new = loaded.swapped
     as_remainder = masters.keeps_remainder(param)
+    stage = functools.partial(
+        _stage_value, store, new, param, updated.dtype, saved_group, nests=adapter.swaps_nested_states
+    )
     for key, value in saved_state.items():
         if key == MASTER_KEY and as_remainder:
             packed, cast = loaded_remainder(param, value)
@@ -117,9 +122,7 @@ def _stage_entry(
             loaded.params_to_set.append((param, cast))
             continue
         # Casting follows the *saved* group's options (fused, capturable), as torch's load does.
-        entry[key] = _stage_value(
-            store, new, param, updated.dtype, saved_group, key, value, expected.get(key), saved_id
-        )
+        entry[key] = stage(key, value, expected.get(key), saved_id)
     if keeps_master and saved_state and MASTER_KEY not in saved_state:
         # A plain checkpoint: the master starts as the live parameter (the checkpoint's own weights, loaded).
         key, entry_value = master_from_param(store, new, param, as_remainder=as_remainder)
@@ -191,8 +194,17 @@ def _stage_value(
     value: Any,
     expected: torch.Tensor | StateInit | None,
     saved_id: object,
+    *,
+    nests: bool = False,
 ) -> Any:
-    """``dtype``: what a floating state of ``param`` is cast to (its own dtype, or fp32 beside a master)."""
+    """``dtype``: what a floating state of ``param`` is cast to (its own dtype, or fp32 beside a master). With
+    ``nests`` (:attr:`~swap_core.adapters.StateSwapAdapter.swaps_nested_states`), each value of a dict is staged the
+    same way in its place, by its path."""
+    if isinstance(value, dict) and nests:
+        return {
+            inner: _stage_value(store, new, param, dtype, group, f"{key}{SEPARATOR}{inner}", leaf, None, saved_id)
+            for inner, leaf in value.items()
+        }
     if isinstance(value, dict):
         return {k: _cast_like_torch(param, dtype, v, k, group) for k, v in value.items()}
     if not isinstance(value, torch.Tensor):

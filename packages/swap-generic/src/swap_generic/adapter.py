@@ -30,14 +30,7 @@ from swap_core.torch_compat import step_hooks_silenced
 
 from .first_parameter_values import FirstParameterValues
 from .group_recheck import group_switch, snapshot
-from .nested_states import (
-    SEPARATOR,
-    flat_state,
-    flat_state_dict,
-    flatten_in_place,
-    nested_for_the_step,
-    nested_state_dict,
-)
+from .nested_states import flat_state, is_nest, nest_problem
 from .probe import ProbeVerdict, probe_step
 from .third_party import outside_step_methods, third_party_refusal
 from .torch_compat import unhooked_step
@@ -74,6 +67,7 @@ class GenericAdapter(StateSwapAdapter):
 
     swappable_keys = None
     lazy_states = True
+    swaps_nested_states = True
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
@@ -86,7 +80,7 @@ class GenericAdapter(StateSwapAdapter):
         self.created_keys, verdict = _probed_state_keys(optimizer)
         self._param_shaped_keys = verdict.param_shaped_keys
         self._nests = verdict.nests
-        """The state keys that hold nested dicts of tensors and numbers, kept flat between steps
+        """The state keys that hold nested dicts of tensors and numbers, each value swapped by its path
         (:mod:`.nested_states`)."""
         self.needs_parameter_order = _order_needed(verdict)
         self._first_keys: set[str] = set(verdict.first_parameter_keys)
@@ -99,7 +93,6 @@ class GenericAdapter(StateSwapAdapter):
         """The group values last probed or stepped: a switch since is probed again (:mod:`.group_recheck`)."""
         # Schedule-free's train()/eval() move the parameters between its sequences: run through the SwapOptimizer.
         self.outside_step_methods = outside_step_methods(optimizer)
-        _refuse_nests_read_outside_step(optimizer, self._nests, self.outside_step_methods)
         self._step = unhooked_step(optimizer)
         # By identity: a tensor's == is elementwise. Weak: a parameter dropped from the model is forgotten.
         self._signatures = WeakIdKeyDictionary()
@@ -201,13 +194,13 @@ class GenericAdapter(StateSwapAdapter):
         fresh = [] if all(batch.states) else self._fresh(batch)
         keys_before = sum(map(len, batch.states))  # a key added to a state later (an SWA average) changes it
         if batch.model_params is None:
-            self._nested_step(batch)
+            self._lent_step(batch)
             if not fresh and sum(map(len, batch.states)) == keys_before:
                 return
             created = self._created(fresh)
         else:
             with masters_presented(self.optimizer, batch):
-                self._nested_step(batch)
+                self._lent_step(batch)
                 created = self._created(fresh)
         if sum(map(len, batch.states)) != keys_before + sum(len(state) for _, state in created):
             self._follow_later_keys(batch, {id(owner) for _, owner in fresh})
@@ -217,21 +210,17 @@ class GenericAdapter(StateSwapAdapter):
             if signature:  # an optimizer may keep no state for a parameter (plain SGD)
                 self._signatures[owner] = signature
 
-    def _nested_step(self, batch: UpdateBatch) -> None:
-        """The narrowed step over ``batch``, its states in the nested form the optimizer keeps them in (flat again
-        after: :mod:`.nested_states`), a group's values kept in its first parameter's state lent to the batch's first
-        one (:mod:`.first_parameter_values`)."""
+    def _lent_step(self, batch: UpdateBatch) -> None:
+        """The narrowed step over ``batch`` (its nested dict states in their place, holding the device copies: swap-core
+        places each by its path), a group's values kept in its first parameter's state lent to the batch's first one
+        (:mod:`.first_parameter_values`)."""
         first_values = self._first_values
-        with contextlib.ExitStack() as lent:
-            if first_values is not None:
-                owners = batch.params if batch.model_params is None else batch.model_params
-                lent.enter_context(first_values.lent(batch.group, owners, batch.params))
-            if not self._nests:
-                self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
-                return
-            with nested_for_the_step(batch.states, self._nests) as found:
-                self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
-        self._nests |= found  # a nested dict the step added to a state
+        if first_values is None:
+            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
+            return
+        owners = batch.params if batch.model_params is None else batch.model_params
+        with first_values.lent(batch.group, owners, batch.params):
+            self._narrowed_step(batch.group, batch.params, batch_index=batch.batch_index)
 
     def entries_written_beside(self, group: dict[str, Any], params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """The group's first parameter, for a batch that writes the group's values kept in its state from outside
@@ -240,17 +229,19 @@ class GenericAdapter(StateSwapAdapter):
         return () if first_values is None else first_values.entries_written_beside(group, params)
 
     def _created(self, fresh: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """``(model param, state)`` of the states the step just created for ``fresh``, in their flat form."""
-        created = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
-        self._nests |= flatten_in_place(state for _, state in created)
-        return created
+        """``(model param, state)`` of the states the step just created for ``fresh``, each nested dict's values by
+        their paths (:func:`.flat_state`)."""
+        entries = [(owner, self.optimizer.state.get(param, {})) for param, owner in fresh]
+        self._nests |= {key for _, entry in entries for key, value in entry.items() if is_nest(value)}
+        return [(owner, flat_state(entry)) for owner, entry in entries]
 
     def _follow_later_keys(self, batch: UpdateBatch, fresh: set[int]) -> None:
         """The step added keys to (or removed keys from) states it had created before: those keys become ones a
         state may hold or lack, and each such state's signature is its keys now."""
         owners = batch.params if batch.model_params is None else batch.model_params
-        for owner, state in zip(owners, batch.states, strict=True):
+        for owner, entry in zip(owners, batch.states, strict=True):
             signature: StateSignature | None = self._signatures.get(owner)  # type: ignore[no-untyped-call]
+            state = flat_state(entry)
             if id(owner) in fresh or signature is None or signature.keys() == state.keys():
                 continue
             self._later_keys.update(signature.keys() ^ state.keys())
@@ -286,9 +277,10 @@ class GenericAdapter(StateSwapAdapter):
         Unknown (``None``) for a parameter that had none and was never stepped: a checkpoint loaded
         into a fresh optimizer is then taken as it is, as torch's load takes it.
         """
-        nest = next((key for key, value in state.items() if isinstance(value, dict)), None)
-        if nest is not None:
-            return _nested_in_live_state(nest, state[nest])
+        malformed = next((key for key, value in state.items() if isinstance(value, dict) and not is_nest(value)), None)
+        if malformed is not None:
+            return f"holds {nest_problem(malformed, state[malformed]).removeprefix('it keeps ')}"
+        state = flat_state(state)
         signature: StateSignature | None = self._signatures.get(model_param(param))  # type: ignore[no-untyped-call]
         if signature is None:
             return None
@@ -307,14 +299,6 @@ class GenericAdapter(StateSwapAdapter):
             wrong_shape="the optimizer created it with shape",
         )
 
-    def export_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Each state in the nested form the optimizer keeps it in (its nested dicts are flat between steps)."""
-        return nested_state_dict(state_dict, self._nests) if self._nests else state_dict
-
-    def import_state_dict(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Each loaded state in the flat form its nested dicts are kept in between steps."""
-        return flat_state_dict(state_dict) if self._nests else state_dict
-
     def _narrowed_step(self, target: dict[str, Any] | None, params: list[torch.Tensor], *, batch_index: int) -> None:
         """The optimizer's own step over ``params`` of group ``target`` (once per pipeline batch: kept lean,
         measured by ``swap-bench narrowing``)."""
@@ -324,33 +308,6 @@ class GenericAdapter(StateSwapAdapter):
         narrowed.run(self._step, target, params)
         self._stepped = True
         values.after_batch(batch_index, held=target)
-
-
-def _nested_in_live_state(key: str, value: dict[Any, Any]) -> str:
-    """Why a state holding the dict ``value`` under ``key`` cannot step swapped (the sentence continues "The state of
-    parameter i ...")."""
-    inner = ", ".join(repr(f"{key}{SEPARATOR}{inner}") for inner in value)
-    return (
-        f"holds {key!r} as a nested dict: swap-generic keeps each value of such a dict as a key of the state of its "
-        f"own between steps ({inner or 'none'}), made so by the optimizer's steps and by loads through the swapped "
-        "optimizer; this one was loaded through the wrapped optimizer, set by hand, or made before wrapping. Load "
-        "checkpoints with swapped.load_state_dict(...), and wrap the optimizer before its first step"
-    )
-
-
-def _refuse_nests_read_outside_step(
-    optimizer: torch.optim.Optimizer, nests: frozenset[str], methods: tuple[str, ...]
-) -> None:
-    """Refuse nested dict states of an optimizer whose methods read states outside ``step()`` (schedule-free's
-    ``train()``/``eval()``): those run over the states as swap-core keeps them, flat."""
-    if nests and methods:
-        nested = ", ".join(map(repr, sorted(nests)))
-        raise UnsupportedOptimizerError(
-            f"{type(optimizer).__name__} cannot be swapped: it keeps states as nested dicts ({nested}), "
-            f"which swap-generic keeps flat between steps, and its {' and '.join(methods)} read its states outside "
-            "step(), where they would not find them. Keep those tensors as keys of the state, or write a dedicated "
-            "adapter (swap_core.register_adapter)"
-        )
 
 
 def _order_needed(verdict: ProbeVerdict) -> str | None:

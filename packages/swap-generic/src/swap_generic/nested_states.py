@@ -1,37 +1,27 @@
-"""States kept as nested dicts (``state[p]["moments"] = {"exp_avg": ..., "exp_avg_sq": ...}``), swapped key by key.
+"""States kept as nested dicts (``state[p]["moments"] = {"exp_avg": ..., "exp_avg_sq": ...}``), swapped value by value.
 
-swap-core swaps the tensors a parameter's state holds as its own keys. swap-generic therefore keeps each entry of
-a *nest* (a dict in a state, one level deep, whose values are tensors and numbers) as a key of its own, named by its
-path: ``"moments.exp_avg"``, in the nest's place and in its order. That flat form is what ``optimizer.state`` holds
-between steps and what swap-core sees; the optimizer's own step runs over the nested form
-(:func:`nested_for_the_step`), and checkpoints hold it (:func:`nested_state_dict`, :func:`flat_state_dict`), exactly
-as the plain optimizer's ``state_dict()`` does. Which keys of a state are nests is learned from the optimizer's own
-steps (the wrap-time probe), never guessed from a key's name.
+swap-core swaps each tensor of such a dict (a *nest*: one level deep, string keys, tensors and numbers) in its place,
+named by its path (``"moments.exp_avg"``, :data:`SEPARATOR`): ``optimizer.state`` keeps torch's layout between steps
+and in the step, and checkpoints are the plain optimizer's. swap-generic tells a nest from other dicts
+(:func:`is_nest`; :func:`nest_problem` says why another dict cannot be swapped, for its refusal), refuses a state whose
+paths would clash with its own keys (:func:`nest_clash`), and compares states by their paths (:func:`flat_state`).
+Which keys of a state are nests is learned from the optimizer's own steps (the wrap-time probe), never guessed from a
+key's name.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = [
-    "SEPARATOR",
-    "flat_state",
-    "flat_state_dict",
-    "flatten_in_place",
-    "is_nest",
-    "nest_clash",
-    "nest_problem",
-    "nested_for_the_step",
-    "nested_state",
-    "nested_state_dict",
-]
+from swap_core.adapters import STATE_PATH_SEPARATOR
 
-SEPARATOR = "."
-"""Between a nest's key and its inner key in the flat form (``"moments.exp_avg"``)."""
+__all__ = ["SEPARATOR", "flat_state", "is_nest", "nest_clash", "nest_problem"]
+
+SEPARATOR = STATE_PATH_SEPARATOR
+"""Between a nest's key and its inner key in a path (``"moments.exp_avg"``), as swap-core names such states."""
 
 _NUMBERS = (int, float, bool, complex)
 
@@ -63,7 +53,8 @@ def nest_problem(key: str, value: dict[Any, Any]) -> str:
 
 
 def flat_state(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """``entry`` with the values of each nest as keys of their own (``"moments.exp_avg"``), in the nest's place."""
+    """``entry`` with the values of each nest under their paths (``"moments.exp_avg"``), in the nest's place (a new
+    dict: ``entry`` is not touched)."""
     flat: dict[str, Any] = {}
     for key, value in entry.items():
         if is_nest(value):
@@ -74,65 +65,10 @@ def flat_state(entry: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def nested_state(entry: Mapping[str, Any], nests: frozenset[str]) -> dict[str, Any]:
-    """The inverse of :func:`flat_state` for the nests named ``nests``: their keys gathered back into a dict each,
-    where the first of them is."""
-    nested: dict[str, Any] = {}
-    for key, value in entry.items():
-        outer, separator, inner = key.partition(SEPARATOR)
-        if separator and outer in nests:
-            nested.setdefault(outer, {})[inner] = value
-        else:
-            nested[key] = value
-    return nested
-
-
-def flatten_in_place(entries: Iterable[dict[str, Any]]) -> set[str]:
-    """Each of ``entries`` (the same dict objects: swap-core holds them) in its flat form; the nests found."""
-    found: set[str] = set()
-    for entry in entries:
-        nests = [key for key, value in entry.items() if is_nest(value)]
-        if nests:
-            found.update(nests)
-            _refill(entry, flat_state(entry))
-    return found
-
-
-@contextlib.contextmanager
-def nested_for_the_step(states: Iterable[dict[str, Any]], nests: frozenset[str]) -> Iterator[set[str]]:
-    """Each of ``states`` in its nested form while the block runs (the optimizer's own step), flat again after it,
-    whatever happens; gives the nests found after the block (a nest the step made), once it ended."""
-    entries = list(states)
-    for entry in entries:
-        _refill(entry, nested_state(entry, nests))
-    found: set[str] = set()
-    try:
-        yield found
-    finally:
-        found.update(flatten_in_place(entries))
-
-
-def nested_state_dict(state_dict: Mapping[str, Any], nests: frozenset[str]) -> dict[str, Any]:
-    """``state_dict`` with each state in its nested form (new dicts: the live entries are not touched)."""
-    state = {saved_id: nested_state(entry, nests) for saved_id, entry in state_dict["state"].items()}
-    return {**state_dict, "state": state}
-
-
-def flat_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with each state in its flat form (new dicts: the loaded ones are not touched)."""
-    state = {saved_id: flat_state(entry) for saved_id, entry in state_dict["state"].items()}
-    return {**state_dict, "state": state}
-
-
-def _refill(entry: dict[str, Any], contents: dict[str, Any]) -> None:
-    """``entry`` holds ``contents``, in their order (the same dict object)."""
-    entry.clear()
-    entry.update(contents)
-
-
 def nest_clash(entry: Mapping[Any, Any]) -> str | None:
-    """Why the flat form of ``entry`` could not be told from its nests, or ``None``: a nest whose key holds the
-    :data:`SEPARATOR`, or another key that reads as one of a nest's (``"moments.exp_avg"`` beside ``"moments"``)."""
+    """Why the paths of ``entry``'s nests could not be told from its own keys, or ``None``: a nest whose key holds the
+    :data:`SEPARATOR`, or another key that reads as one of a nest's paths (``"moments.exp_avg"`` beside
+    ``"moments"``)."""
     nests = {key for key, value in entry.items() if is_nest(value)}
     for key in entry:
         if not isinstance(key, str):

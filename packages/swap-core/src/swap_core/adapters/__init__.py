@@ -29,10 +29,12 @@ from swap_core.adapters.registry import (
 )
 from swap_core.alignment import align_up
 from swap_core.dtensor import ShardLayout, local_tensor, shard_layout, wrap_local
+from swap_core.runtime.nested_entries import SEPARATOR as STATE_PATH_SEPARATOR
 
 __all__ = [
     "ADAPTER_API_VERSION",
     "ENTRY_POINT_GROUP",
+    "STATE_PATH_SEPARATOR",
     "STRICT_PLUGINS_ENV",
     "AdapterFactory",
     "AdapterRegistry",

@@ -101,6 +101,11 @@ class StateSwapAdapter(abc.ABC):
     state is updated with an empty state dict, and right after its batch the states the update created
     move to host memory, so no more than one batch of fresh states is on the device at once."""
 
+    swaps_nested_states: ClassVar[bool] = False
+    """Whether the states the optimizer keeps in a dict nested one level deep in a parameter's state
+    (``state[p]["moments"]["exp_avg"]``) are swapped too, each named by its path (``"moments.exp_avg"``) and kept in
+    its place in the nested dict (:mod:`swap_core.runtime.nested_entries`); else such a dict stays where it is."""
+
     outside_step_methods: tuple[str, ...] = ()
     """Methods of the wrapped optimizer that read and write its parameters and states outside ``step()``
     (schedule-free's ``train`` and ``eval``). The :class:`~swap_core.SwapOptimizer` offers each one

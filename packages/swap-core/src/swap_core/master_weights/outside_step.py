@@ -13,6 +13,7 @@ from ..adapters.group_values import GroupValues
 from ..adapters.narrowed_groups import NarrowedGroups
 from ..dtensor import wrap_local
 from ..errors import SwapStateError
+from ..runtime.nested_entries import located
 from ..runtime.slots import SlotState, SwapSlot, transition
 from ..runtime.state_keys import MASTER_KEY
 from ..runtime.tracked_state import TrackedState
@@ -106,9 +107,11 @@ def _staged(
                 backend.copy(device, slot.host_mirror, stream=compute)
             transition(moving, SlotState.HOST, SlotState.H2D)
             transition(moving, SlotState.H2D, SlotState.DEVICE)
-            presented_state = dict(state)
+            # Its own dicts, nested ones too: the method sees device copies where the live entry holds host mirrors.
+            presented_state = {key: dict(value) if isinstance(value, dict) else value for key, value in state.items()}
             for slot, device in zip(moving, devices, strict=True):
-                presented_state[slot.key] = wrap_local(device, slot.layout)
+                container, key = located(presented_state, slot.key)
+                container[key] = wrap_local(device, slot.layout)
             master = presented_state.pop(MASTER_KEY, None)
             presented = master if isinstance(master, torch.Tensor) else param
             with entries.lent([(presented, presented_state)] if state else []):

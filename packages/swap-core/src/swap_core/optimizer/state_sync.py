@@ -21,6 +21,7 @@ from ..backend_selection import select_backend
 from ..backends.protocol import DeviceBackend
 from ..dtensor import local_tensor
 from ..master_weights.policy import Masters
+from ..runtime.nested_entries import flat_items, value_at
 from ..runtime.pipeline import PipelineScheduler
 from ..runtime.slots import SwapSlot
 from ..runtime.state_keys import MASTER_KEY, is_fresh
@@ -187,7 +188,8 @@ class StateSync:
             check = (self.generation, entries, [slot.key for slot in slots], [slot.host_value for slot in slots])
             self._mirror_check = check
         _, entries, keys, values = check
-        return all(map(operator.is_, map(dict.get, entries, keys), values))
+        found = value_at if self._adapter.swaps_nested_states else dict.get  # a path into a nested dict, or a key
+        return all(map(operator.is_, map(found, entries, keys), values))
 
     def adopt_state(self) -> None:
         """Make the wrapped optimizer's current ``state`` the swapped one: tracked, swapped tensors in host memory.
@@ -237,7 +239,7 @@ class StateSync:
         stale = [
             param
             for param, slots in store.slots.items()
-            if any(self.state.get(param, NO_ENTRY).get(key) is not slot.host_value for key, slot in slots.items())
+            if any(value_at(self.state.get(param, NO_ENTRY), key) is not slot.host_value for key, slot in slots.items())
         ]
         with store.all_or_nothing():
             store.remove(stale)
@@ -321,9 +323,10 @@ class StateSync:
         """
         store = self.store
         new: list[tuple[SwapSlot, StateSource]] = []
+        nested = self._adapter.swaps_nested_states
         for param in params:
             swapped = store.slots.get(param, NO_ENTRY)  # e.g. the master, made before the update
-            for key, value in self.state.get(param, NO_ENTRY).items():
+            for key, value in flat_items(self.state.get(param, NO_ENTRY), nested=nested):
                 if key in swapped:
                     continue
                 if isinstance(value, torch.Tensor) and store.should_swap(key, value):

@@ -13,10 +13,11 @@ import torch
 from ..adapters.base import UpdateBatch
 from ..dtensor import local_tensor
 from ..errors import SwapStateError
+from ..runtime.nested_entries import SEPARATOR, located
 from ..runtime.plan import PlannedBatch, SwapPlan
 from ..runtime.slots import SwapSlot
 from ..runtime.state_keys import is_fresh
-from ..runtime.step_journal import StepJournal, note_partial_step
+from ..runtime.step_journal import SavedNest, StepJournal, note_partial_step
 from .plan_cache import PlanCache
 from .setup import SwapSetup
 from .state_creation import StateCreation
@@ -202,24 +203,32 @@ class StepRun:
         journal.restore_params()
         state, store = sync.state, sync.store
         for param, saved in journal.saved_states:
-            entry = state[param]
-            slots = store.slots.get(param, NO_ENTRY)
-            for key in [key for key in entry if key not in saved]:  # keys the failed update added
-                del entry[key]
-            for key, value in saved.items():
-                if not isinstance(value, torch.Tensor):
-                    entry[key] = value
-                elif key in slots:  # swapped: back into its host mirror
-                    entry[key] = slots[key].host_value
-                    with self.setup.backend.host_scope():
-                        local_tensor(slots[key].host_value).copy_(value)
-                else:
-                    local_tensor(entry[key]).copy_(value)
+            self._put_back_entry(state[param], saved, store.slots.get(param, NO_ENTRY))
         journal.beside.put_back()
         for param in journal.created:  # the states this step made go, as if it never ran
             if param in state:
                 del state[param]
         sync.changed()
+
+    def _put_back_entry(self, entry: dict[str, Any], saved: dict[str, Any], slots: Any, prefix: str = "") -> None:
+        """``entry`` as the journal ``saved`` it (a dict nested in it too, its keys' paths under ``prefix``): keys the
+        failed update added removed, swapped values back into their host mirrors, resident ones copied back."""
+        for key in [key for key in entry if key not in saved]:  # keys the failed update added
+            del entry[key]
+        for key, value in saved.items():
+            path = prefix + key
+            if isinstance(value, SavedNest):
+                nest = entry.get(key)
+                entry[key] = nest = nest if isinstance(nest, dict) else {}
+                self._put_back_entry(nest, value, slots, prefix=f"{path}{SEPARATOR}")
+            elif not isinstance(value, torch.Tensor):
+                entry[key] = value
+            elif path in slots:  # swapped: back into its host mirror
+                entry[key] = slots[path].host_value
+                with self.setup.backend.host_scope():
+                    local_tensor(slots[path].host_value).copy_(value)
+            else:
+                local_tensor(entry[key]).copy_(value)
 
     def _forget_created_states(self) -> None:
         """A step that failed before any batch updated leaves no state it made (``add_param_group`` then a plan that
@@ -248,8 +257,14 @@ def _device_states_in_place(batch: PlannedBatch) -> Iterator[None]:
     """During its update a batch's ``state`` entries are the device copies; host mirrors again after.
 
     Swapping entries in place (rather than handing the adapter merged copies)
-    keeps whatever the update writes to resident entries, at two dict stores per state.
+    keeps whatever the update writes to resident entries, at two dict stores per state. A state kept in a dict
+    nested in its entry (``batch.nested_slots``) is found there before the update and again after it (the update may
+    have put a new dict in its place).
     """
+    if batch.nested_slots:
+        with _nested_device_states_in_place(batch):
+            yield
+        return
     for state, slot, view in zip(batch.slot_states, batch.slots, batch.update_views, strict=True):
         state[slot.key] = view
     try:
@@ -263,6 +278,27 @@ def _device_states_in_place(batch: PlannedBatch) -> Iterator[None]:
         if value is not view:  # the update assigned a new tensor instead of writing the state in place
             _take_replaced_state(slot, view, value)
         state[slot.key] = slot.host_value
+
+
+@contextlib.contextmanager
+def _nested_device_states_in_place(batch: PlannedBatch) -> Iterator[None]:
+    """:func:`_device_states_in_place` with each slot's value located by its path in its entry."""
+    for state, slot, view in zip(batch.slot_states, batch.slots, batch.update_views, strict=True):
+        container, key = located(state, slot.key)
+        container[key] = view
+    try:
+        yield
+    except BaseException:
+        for state, slot in zip(batch.slot_states, batch.slots, strict=True):
+            container, key = located(state, slot.key)
+            container[key] = slot.host_value
+        raise
+    for state, slot, view in zip(batch.slot_states, batch.slots, batch.update_views, strict=True):
+        container, key = located(state, slot.key)
+        value = container.get(key)
+        if value is not view:
+            _take_replaced_state(slot, view, value)
+        container[key] = slot.host_value
 
 
 def _with_grad(

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .nested_entries import SEPARATOR
+
 __all__ = ["KeptEntries"]
 
 
@@ -43,23 +45,38 @@ class KeptEntries:
         self._kept = []
 
 
-def _resident_values(entry: Mapping[str, Any], swapped: frozenset[str]) -> dict[str, Any]:
-    """The values of ``entry`` that are not swapped, as they are now (tensors cloned where they live)."""
-    return {
-        key: value.detach().clone() if isinstance(value, torch.Tensor) else value
-        for key, value in entry.items()
-        if key not in swapped
-    }
+class _KeptNest(dict[str, Any]):
+    """The resident values of a dict nested in an entry, as kept (put back into that dict, key by key)."""
 
 
-def _put_back(entry: dict[str, Any], values: Mapping[str, Any], swapped: frozenset[str]) -> None:
+def _resident_values(entry: Mapping[str, Any], swapped: frozenset[str], prefix: str = "") -> dict[str, Any]:
+    """The values of ``entry`` that are not swapped, as they are now (tensors cloned where they live; a dict nested
+    in it kept the same way, its keys' paths under ``prefix``)."""
+    kept: dict[str, Any] = {}
+    for key, value in entry.items():
+        path = prefix + key
+        if path in swapped:
+            continue
+        if isinstance(value, torch.Tensor):
+            kept[key] = value.detach().clone()
+        elif isinstance(value, dict) and not prefix:
+            kept[key] = _KeptNest(_resident_values(value, swapped, f"{path}{SEPARATOR}"))
+        else:
+            kept[key] = value
+    return kept
+
+
+def _put_back(entry: dict[str, Any], values: Mapping[str, Any], swapped: frozenset[str], prefix: str = "") -> None:
     """``entry``'s resident values as kept: written back in place where the tensor is the same shape and dtype, set
     otherwise; keys the update added are removed (a swapped key is the store's)."""
-    for key in [key for key in entry if key not in values and key not in swapped]:
+    for key in [key for key in entry if key not in values and prefix + key not in swapped]:
         del entry[key]
     for key, value in values.items():
         current = entry.get(key)
-        if (
+        if isinstance(value, _KeptNest):
+            entry[key] = nest = current if isinstance(current, dict) else {}
+            _put_back(nest, value, swapped, f"{prefix}{key}{SEPARATOR}")
+        elif (
             isinstance(value, torch.Tensor)
             and isinstance(current, torch.Tensor)
             and current.shape == value.shape

@@ -200,6 +200,10 @@ def _bind_states(
             every_state = every_state and not any(map(_is_fresh, states))
             batch.segments.append((group_index, members, states, where))
         batch.slot_states = [state[slot.param] for slot in batch.slots]
+        # A state kept in a dict nested in its entry (a path) is found there at each update.
+        batch.nested_slots = any(
+            slot.key not in entry for slot, entry in zip(batch.slots, batch.slot_states, strict=True)
+        )
     return every_state
 
 

@@ -44,5 +44,8 @@ class PlannedBatch:
     their positions among all parameters in order)`` (``None`` for a parameter without state yet)."""
     slot_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The state dict each slot belongs to, aligned with ``slots`` (saves hashing tensors per step)."""
+    nested_slots: bool = False
+    """Whether a slot's state lives in a dict nested in its entry (its key a path, see
+    :mod:`~swap_core.runtime.nested_entries`), found there at each update; else each is a key of its entry."""
     update_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """The same device tensors as the update sees them in ``state`` (DTensors re-wrapped)."""

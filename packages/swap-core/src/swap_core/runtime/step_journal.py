@@ -27,7 +27,11 @@ from ..backends.protocol import DeviceBackend
 from ..dtensor import local_tensor
 from .kept_entries import KeptEntries
 
-__all__ = ["StepJournal", "note_on", "note_partial_step"]
+__all__ = ["SavedNest", "StepJournal", "note_on", "note_partial_step"]
+
+
+class SavedNest(dict[str, Any]):
+    """A dict nested in a state, as the journal saved it (put back into the nested dict, key by key)."""
 
 
 class StepJournal:
@@ -56,11 +60,21 @@ class StepJournal:
             local = local_tensor(param).detach()
             self._saved_params.append((local, read(local)))
             if self._keeps_states and id(param) not in self._created_ids:
-                saved = {
-                    key: read(local_tensor(value).detach()) if isinstance(value, torch.Tensor) else value
-                    for key, value in state.items()
-                }
-                self.saved_states.append((param, saved))
+                self.saved_states.append((param, self._saved(state)))
+
+    def _saved(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` as it is now: tensors as host copies of their local values, a dict nested in it as a
+        :class:`SavedNest` of its own values, other values as they are."""
+        read = self._backend.read_to_host
+        saved: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                saved[key] = read(local_tensor(value).detach())
+            elif isinstance(value, dict):
+                saved[key] = SavedNest(self._saved(value))
+            else:
+                saved[key] = value
+        return saved
 
     def restore_params(self) -> None:
         """Put every recorded parameter back, the last recorded first."""

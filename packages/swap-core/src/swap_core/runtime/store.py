@@ -33,6 +33,7 @@ from ..backends.storage_spans import StorageSpans
 from ..dtensor import local_tensor, shard_layout, wrap_local
 from ..errors import HostMemoryError, SwapStateError
 from .host_buffers import HostBuffers, host_buffers
+from .nested_entries import located
 from .packed import PackedHost
 from .slots import SlotState, SwapSlot, memory_stride, transition
 from .swap_decisions import SwapDecisions
@@ -252,7 +253,8 @@ class StateStore:
                 self._fill(live.host_mirror, source)
             self._finish_fills()
         for live, _ in pairs:
-            state[live.param][live.key] = live.host_value
+            container, key = located(state[live.param], live.key)
+            container[key] = live.host_value
         return True
 
     @property
@@ -327,7 +329,8 @@ class StateStore:
     def _publish(self, slot: SwapSlot) -> None:
         """Make the slot's host mirror the value ``optimizer.state`` shows between steps."""
         slot.host_value = wrap_local(slot.host_mirror, slot.layout)
-        self._state[slot.param][slot.key] = slot.host_value
+        container, key = located(self._state[slot.param], slot.key)
+        container[key] = slot.host_value
 
     def _on_host(self, source: StateSource) -> bool:
         """Whether ``source`` is host memory (a host mirror, say) rather than a fill value or a device tensor."""

@@ -25,6 +25,7 @@ import torch
 
 from ..backends.protocol import DeviceBackend
 from ..errors import StateDictMismatchError, SwapStateError, UnsupportedOptimizerError
+from ..runtime.nested_entries import flat_items, located
 from ..runtime.tracked_state import TrackedState
 from ..torch_compat import hook_registries
 from .compare import assert_bitwise_equal, assert_state_dicts_equal
@@ -226,9 +227,10 @@ def check_incomplete_checkpoints(case: ConformanceCase, backend: DeviceBackend, 
     unknown = copy.deepcopy(good)
     unknown["state"][index]["not_a_state_key"] = torch.zeros(3)
     bad_checkpoints = [(unknown, "has 'not_a_state_key'")]
-    if len(good["state"][index]) > 1:
+    if len(list(flat_items(good["state"][index], nested=True))) > 1:
         lacking = copy.deepcopy(good)
-        del lacking["state"][index][key]
+        container, leaf = located(lacking["state"][index], key)  # a nested dict's value by its path
+        del container[leaf]
         bad_checkpoints.insert(0, (lacking, f"lacks '{key}'"))
     for bad, words in bad_checkpoints:
         before = _snapshot(pair)
@@ -346,10 +348,11 @@ def _halve_a_swapped_state(optimizer: torch.optim.Optimizer, params: list[torch.
     """Replace a large state tensor of the first parameter with state by a new tensor of half its values."""
     for param in params:
         entry = optimizer.state.get(param, {})
-        for key, value in entry.items():
+        for key, value in flat_items(entry, nested=True):  # a value of a nested dict too, by its path
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() >= 64:
+                container, leaf = located(entry, key)
                 with torch.no_grad():
-                    entry[key] = value * 0.5
+                    container[leaf] = value * 0.5
                 return
     raise AssertionError("no state tensor large enough to be swapped")
 
@@ -428,7 +431,7 @@ def _assert_unchanged(pair: Pair, before: dict[str, Any], context: str) -> None:
 def _last_swapped_key(state_dict: dict[str, Any]) -> tuple[int, str]:
     """The last parameter with state, and one of its large (swapped) tensor keys."""
     for index in sorted(state_dict["state"], reverse=True):
-        for key, value in state_dict["state"][index].items():
+        for key, value in flat_items(state_dict["state"][index], nested=True):
             if isinstance(value, torch.Tensor) and value.numel() >= 64:
                 return index, key
     raise AssertionError("no swapped state in the checkpoint")

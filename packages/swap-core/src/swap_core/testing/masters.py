@@ -29,7 +29,7 @@ from ..master_weights.fp32_view import with_fp32_master
 from ..master_weights.params import has_master
 from ..optimizer import SwapOptimizer
 from ..runtime.state_keys import MASTER_KEY
-from .compare import assert_bitwise_equal
+from .compare import assert_bitwise_equal, assert_state_dicts_equal
 from .pairs import (
     ConformanceCase,
     give_grads,
@@ -160,7 +160,13 @@ class MasterReference:
                 f"{where}: parameter {index} has state keys {sorted(actual_state)}, expected {sorted(expected_state)}"
             )
             for key, value in expected_state.items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, dict):  # a nested dict of tensors and numbers
+                    assert_state_dicts_equal(
+                        {"param_groups": [], "state": value},
+                        {"param_groups": [], "state": actual_state[key]},
+                        f"{where}: {key!r} of parameter {index}",
+                    )
+                elif isinstance(value, torch.Tensor):
                     assert_bitwise_equal(value, actual_state[key], f"{where}: {key!r} of parameter {index}")
                 else:  # a number (bitsandbytes keeps its step count as an int)
                     assert actual_state[key] == value, f"{where}: {key!r} of parameter {index} is {actual_state[key]!r}"
