@@ -15,7 +15,6 @@ group and the parameter that blocked, and the fix.
 from __future__ import annotations
 
 import copy
-import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.errors import UnsupportedOptimizerError
 from swap_core.sim import SimBackend
+from swap_core.testing.abandoned import Ending, abandon_a_step_begun_inside_the_backward
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.conformance import ConformanceCase, make_conformance_tests
 
@@ -388,37 +388,21 @@ def test_a_step_taken_back_inside_the_backward_puts_back_the_count_its_batches_w
 
 
 @pytest.mark.parametrize("ending", ["zero_grad", "collected"])
-def test_a_step_begun_inside_the_backward_and_abandoned_leaves_the_count_as_before_it(ending: str) -> None:
+def test_a_step_begun_inside_the_backward_and_abandoned_leaves_the_count_as_before_it(ending: Ending) -> None:
     """The batches of a backward wrote the group's count into its first parameter's state (it has no gradient); the
     loop then abandons the step (``zero_grad()`` without ``step()``) or drops the optimizer (``del``, collected): the
     step is taken back, that count included, and the parameters and states are the plain optimizer's, which skipped
     that iteration."""
     torch.manual_seed(0)
-    model = _Unused()
-    twin_model = copy.deepcopy(model)
-    twin = FirstParameterCounter(twin_model.groups())
-    wrapped = FirstParameterCounter(model.groups())
     config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=4, min_numel=8, step="in_backward")
-    swapped = swap_optimizer(wrapped, config)
-    inputs = torch.randn(4, 16)
-    for _ in range(3):
-        for some_model, optimizer in ((twin_model, twin), (model, swapped)):
-            some_model(inputs).pow(2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    # Its batches update inside the backward and write the count (reading the state now would take them back: the
-    # host reads the state as it was before the backward).
-    model(inputs).pow(2).sum().backward()
-    if ending == "zero_grad":
-        swapped.zero_grad()
-    else:
-        del swapped, optimizer  # the loop's name for it too: nothing else holds it
-        gc.collect()
-    for index, (expected, actual) in enumerate(zip(twin_model.parameters(), model.parameters(), strict=True)):
+    run = abandon_a_step_begun_inside_the_backward(
+        _Unused(), lambda model: FirstParameterCounter(model.groups()), config, ending, torch.randn(4, 16)
+    )
+    for index, (expected, actual) in enumerate(zip(run.twin_model.parameters(), run.model.parameters(), strict=True)):
         assert_bitwise_equal(expected, actual, f"after the abandoned step: parameter {index}")
-    assert wrapped.state[model.unused]["step"] == twin.state[twin_model.unused]["step"] == 3
+    assert run.wrapped.state[run.model.unused]["step"] == run.twin.state[run.twin_model.unused]["step"] == 3
     if ending == "zero_grad":
-        assert_state_dicts_equal(twin.state_dict(), wrapped.state_dict(), "after the abandoned step")
+        assert_state_dicts_equal(run.twin.state_dict(), run.wrapped.state_dict(), "after the abandoned step")
 
 
 COUNTER_CASE = ConformanceCase(

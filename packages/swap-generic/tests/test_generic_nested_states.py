@@ -12,7 +12,6 @@ What cannot be told apart stays refused, naming the key, its inner keys, the gro
 from __future__ import annotations
 
 import copy
-import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from swap_core import SwapConfig, swap_optimizer
 from swap_core.errors import SwapStateError, UnsupportedOptimizerError
 from swap_core.sim import SimBackend
+from swap_core.testing.abandoned import Ending, abandon_a_step_begun_inside_the_backward
 from swap_core.testing.compare import assert_bitwise_equal, assert_state_dicts_equal
 from swap_core.testing.conformance import (
     SIM_MODES,
@@ -390,31 +390,21 @@ def test_nested_states_read_outside_the_step_are_read_in_their_place(master_weig
 
 
 @pytest.mark.parametrize("ending", ["zero_grad", "collected"])
-def test_a_step_begun_inside_the_backward_and_abandoned_leaves_the_nested_states_as_before_it(ending: str) -> None:
+def test_a_step_begun_inside_the_backward_and_abandoned_leaves_the_nested_states_as_before_it(ending: Ending) -> None:
     """The batches of a backward updated the nested moments (device copies in the nested dict) and the count kept in
     it; the loop abandons the step (``zero_grad()`` without ``step()``) or drops the optimizer (collected): the step is
     taken back, and the parameters and the nested states, in their place, are the plain optimizer's, which skipped
     that iteration."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
-    twin_model = copy.deepcopy(model)
-    twin = CountedInTheNest([{"params": list(twin_model.parameters())}])
-    wrapped = CountedInTheNest([{"params": list(model.parameters())}])
     config = SwapConfig(backend=SimBackend(mode="lazy"), swap_times=3, min_numel=8, step="in_backward")
-    swapped = swap_optimizer(wrapped, config)
-    inputs = torch.randn(4, 16)
-    for _ in range(3):
-        for some_model, optimizer in ((twin_model, twin), (model, swapped)):
-            some_model(inputs).pow(2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    assert swapped.stats.batches_in_backward > 0, swapped.stats
-    model(inputs).pow(2).sum().backward()  # its batches update inside the backward
-    if ending == "zero_grad":
-        swapped.zero_grad()
-    else:
-        del swapped, optimizer  # the loop's name for it too: nothing else holds it
-        gc.collect()
-    for index, (expected, actual) in enumerate(zip(twin_model.parameters(), model.parameters(), strict=True)):
+    run = abandon_a_step_begun_inside_the_backward(
+        model,
+        lambda some_model: CountedInTheNest([{"params": list(some_model.parameters())}]),
+        config,
+        ending,
+        torch.randn(4, 16),
+    )
+    for index, (expected, actual) in enumerate(zip(run.twin_model.parameters(), run.model.parameters(), strict=True)):
         assert_bitwise_equal(expected, actual, f"after the abandoned step: parameter {index}")
-    assert_state_dicts_equal(twin.state_dict(), wrapped.state_dict(), "after the abandoned step")
+    assert_state_dicts_equal(run.twin.state_dict(), run.wrapped.state_dict(), "after the abandoned step")
